@@ -1,1 +1,130 @@
-// placeholder: being written
+#include "registry/registry.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <sstream>
+#include <thread>
+
+#include "attnrt/errors.h"
+#include "backends/cpu/cpu_backend.h"
+#include "backends/reference/reference_backend.h"
+#include "registry/plugin_backend.h"
+
+namespace attnrt {
+namespace {
+
+std::string env(const char* name) {
+  const char* v = std::getenv(name);
+  return v ? v : "";
+}
+
+bool env_flag(const char* name) {
+  std::string v = env(name);
+  return !v.empty() && v != "0" && v != "false" && v != "off";
+}
+
+std::vector<std::string> split_list(const std::string& s) {
+  std::vector<std::string> out;
+  std::string cur;
+  std::istringstream is(s);
+  while (std::getline(is, cur, ',')) {
+    cur.erase(0, cur.find_first_not_of(" \t"));
+    cur.erase(cur.find_last_not_of(" \t") + 1);
+    if (!cur.empty()) out.push_back(cur);
+  }
+  return out;
+}
+
+int parse_threads(const std::string& s) {
+  char* end = nullptr;
+  long v = std::strtol(s.c_str(), &end, 10);
+  if (s.empty() || *end || v < 1 || v > 4096)
+    throw InvalidArgument("ATTNRT_NUM_THREADS: '" + s + "' is not a thread count (expected 1..4096)");
+  return static_cast<int>(v);
+}
+
+}  // namespace
+
+Registry::Registry(const RuntimeOptions& o) {
+  options_.strict = o.strict.value_or(env_flag("ATTNRT_STRICT"));
+  options_.force_replan = o.force_replan.value_or(env_flag("ATTNRT_FORCE_REPLAN"));
+  options_.canary = o.canary;
+  options_.plan_cache_capacity = std::max<size_t>(1, o.plan_cache_capacity);
+  if (o.num_threads) {
+    if (*o.num_threads < 0)
+      throw InvalidArgument("num_threads: " + std::to_string(*o.num_threads) + " (expected >= 0)");
+    options_.num_threads = *o.num_threads;
+  } else if (!env("ATTNRT_NUM_THREADS").empty()) {
+    options_.num_threads = parse_threads(env("ATTNRT_NUM_THREADS"));
+  }
+  if (options_.num_threads == 0)
+    options_.num_threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+
+  backends_.push_back(make_cpu_backend(options_.num_threads));
+  backends_.push_back(make_reference_backend());
+  std::set<std::string> taken;
+  for (const auto& b : backends_) taken.insert(b->name());
+
+  search_path_ = plugin_search_path(o.plugin_path.value_or(env("ATTNRT_PLUGIN_PATH")),
+                                    o.search_library_dir);
+  LoadedPlugins loaded = load_plugins(search_path_, taken);
+  records_ = std::move(loaded.records);
+  for (auto& b : loaded.backends) {
+    plugins_.insert(b.get());
+    backends_.push_back(std::move(b));
+  }
+  std::stable_sort(backends_.begin(), backends_.end(),
+                   [](const auto& a, const auto& b) { return a->priority() > b->priority(); });
+
+  // Names a user may mention: every backend plus every plugin file that failed to load.
+  std::set<std::string> known = taken;
+  for (const auto& r : records_)
+    if (!r.name.empty()) known.insert(r.name);
+  auto known_list = [&] {
+    std::string s;
+    for (const auto& n : known) s += (s.empty() ? "" : ", ") + n;
+    return s;
+  };
+  std::vector<std::string> disable =
+      o.disable ? *o.disable : split_list(env("ATTNRT_DISABLE"));
+  for (const auto& n : disable) {
+    if (!known.count(n))
+      throw InvalidArgument("ATTNRT_DISABLE: unknown backend '" + n + "' (known: " + known_list() + ")");
+    options_.disabled.insert(n);
+  }
+  options_.forced = o.force_backend.value_or(env("ATTNRT_BACKEND"));
+  if (!options_.forced.empty() && !known.count(options_.forced))
+    throw InvalidArgument("ATTNRT_BACKEND: unknown backend '" + options_.forced +
+                          "' (known: " + known_list() + ")");
+  if (!options_.forced.empty() && options_.disabled.count(options_.forced))
+    throw InvalidArgument("ATTNRT_BACKEND: backend '" + options_.forced +
+                          "' is also listed in ATTNRT_DISABLE");
+}
+
+Backend* Registry::find(const std::string& name) const {
+  for (const auto& b : backends_)
+    if (b->name() == name) return b.get();
+  return nullptr;
+}
+
+std::vector<Backend*> Registry::candidates(const Device& device) const {
+  std::vector<Backend*> out;
+  for (const auto& b : backends_) {
+    if (!options_.forced.empty() && b->name() != options_.forced) continue;
+    if (options_.disabled.count(b->name())) continue;
+    auto devs = b->devices();
+    if (std::find(devs.begin(), devs.end(), device) == devs.end()) continue;
+    out.push_back(b.get());
+  }
+  return out;
+}
+
+std::string Registry::load_failure(const std::string& name) const {
+  for (const auto& r : records_)
+    if (r.name == name && !r.loaded) return r.path + ": " + r.reason;
+  return {};
+}
+
+bool Registry::is_plugin(const Backend* b) const { return plugins_.count(b) > 0; }
+
+}  // namespace attnrt
