@@ -283,7 +283,13 @@ struct Runtime::Impl {
   }
 };
 
-Runtime::Runtime(RuntimeOptions options) : impl_(std::make_unique<Impl>(options)) {}
+Runtime::Runtime(RuntimeOptions options) : impl_(std::make_unique<Impl>(options)) {
+  // One line per plugin file that could not be used: a missing fast path is never silent.
+  for (const auto& r : impl_->registry.plugin_records())
+    if (!r.loaded)
+      impl_->warn_once("load|" + r.path, "plugin " + (r.name.empty() ? r.path : "'" + r.name + "' (" + r.path + ")") +
+                                            " not used: " + r.reason);
+}
 Runtime::~Runtime() = default;
 
 std::vector<Device> Runtime::devices() const {

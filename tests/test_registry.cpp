@@ -1,0 +1,362 @@
+// The selection and fallback policy, the plugin loader and the canary, against real shared
+// libraries built with injected faults (tests/plugins/).
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <cstring>
+#include <mutex>
+#include <thread>
+
+#include "backends/reference/reference_backend.h"
+#include "support.h"
+
+namespace attnrt {
+namespace {
+
+using test::HostTensor;
+using ::testing::HasSubstr;
+
+std::string plugin_dir(const std::string& fault) {
+  return std::string(ATTNRT_TEST_PLUGIN_ROOT) + "/" + fault;
+}
+
+// Captures every log line for the duration of a test.
+class LogCapture {
+ public:
+  LogCapture() {
+    set_log_sink([this](LogLevel l, std::string_view m) {
+      std::lock_guard lock(mu_);
+      if (l >= LogLevel::warn) warnings_.emplace_back(m);
+    });
+  }
+  ~LogCapture() { set_log_sink(nullptr); }
+  std::vector<std::string> warnings() {
+    std::lock_guard lock(mu_);
+    return warnings_;
+  }
+
+ private:
+  std::mutex mu_;
+  std::vector<std::string> warnings_;
+};
+
+RuntimeOptions options_for(const std::string& fault) {
+  RuntimeOptions o;
+  o.plugin_path = fault == "none" ? "" : plugin_dir(fault);
+  o.search_library_dir = false;
+  o.disable = std::vector<std::string>{};
+  o.force_backend = "";
+  o.strict = false;
+  o.force_replan = false;
+  return o;
+}
+
+// A small dense f32 problem with its data; `check` compares the output with the reference.
+struct DenseCase {
+  Problem problem;
+  BatchLayout layout;
+  HostTensor q, k, v, out, lse, ref_out, ref_lse;
+
+  explicit DenseCase(uint64_t seed, Op op = Op::dense_extend, int kv0 = 29) {
+    problem.op = op;
+    problem.q_dtype = problem.kv_dtype = DType::f32;
+    problem.page_size = 4;
+    problem.num_q_heads = 4;
+    problem.num_kv_heads = 2;
+    problem.head_dim = 16;
+    problem.write_lse = true;
+    const bool dec = is_decode(op);
+    std::vector<int32_t> ql = dec ? std::vector<int32_t>{1, 1} : std::vector<int32_t>{3, 2};
+    std::vector<int32_t> kv = {kv0, 9};
+    std::vector<std::vector<int32_t>> pages(2);
+    int next = 0;
+    for (int r = 0; r < 2; ++r)
+      for (int i = 0; i < (kv[r] + 3) / 4; ++i) pages[r].push_back(20 - next++);
+    layout = BatchLayout::make(4, ql, kv, pages);
+    int64_t T = layout.total_q();
+    std::mt19937_64 rng(seed);
+    q = HostTensor(DType::f32, {T, 4, 16});
+    k = HostTensor(DType::f32, {21, 4, 2, 16});
+    v = HostTensor(DType::f32, {21, 4, 2, 16});
+    out = HostTensor(DType::f32, {T, 4, 16});
+    lse = HostTensor(DType::f32, {T, 4});
+    ref_out = out;
+    ref_lse = lse;
+    ref_out.view.data = ref_out.bytes.data();
+    ref_lse.view.data = ref_lse.bytes.data();
+    test::fill_normal(q, rng);
+    test::fill_normal(k, rng);
+    test::fill_normal(v, rng);
+    Tensors t = tensors();
+    t.out = ref_out.view;
+    t.lse = ref_lse.view;
+    reference_compute(problem, layout, t);
+  }
+  Tensors tensors() {
+    Tensors t;
+    t.q = q.view;
+    t.k_cache = k.view;
+    t.v_cache = v.view;
+    t.out = out.view;
+    t.lse = lse.view;
+    return t;
+  }
+  void run(Runtime& rt) {
+    test::poison(out);
+    test::poison(lse);
+    rt.execute(problem, layout, tensors());
+  }
+  double err() const { return std::max(test::rel_l2(out, ref_out), test::rel_l2(lse, ref_lse)); }
+};
+
+int count_containing(const std::vector<std::string>& lines, const std::string& s) {
+  int n = 0;
+  for (const auto& l : lines) n += l.find(s) != std::string::npos;
+  return n;
+}
+
+struct FaultCase {
+  std::string fault;
+  std::string reason;  // expected in the warning and the report
+  bool canary = true;
+};
+
+class FaultMatrix : public ::testing::TestWithParam<FaultCase> {};
+
+TEST_P(FaultMatrix, AutomaticModeFallsBackWithOneWarning) {
+  const FaultCase& fc = GetParam();
+  LogCapture logs;
+  RuntimeOptions o = options_for(fc.fault);
+  o.canary = fc.canary;
+  Runtime rt(o);
+  DenseCase c(test::fresh_seed());
+  for (int i = 0; i < 3; ++i) {  // repeated calls: still one warning
+    c.run(rt);
+    EXPECT_LT(c.err(), 1e-5) << "call " << i;
+    EXPECT_FALSE(test::has_nan(c.out));
+  }
+  auto w = logs.warnings();
+  EXPECT_EQ(count_containing(w, fc.reason), 1) << ::testing::PrintToString(w);
+  EXPECT_EQ(w.size(), 1u) << ::testing::PrintToString(w);
+  Report r = rt.report();
+  std::string text = r.to_string();
+  EXPECT_THAT(text, HasSubstr(fc.reason));
+  EXPECT_EQ(rt.plan(c.problem, c.layout)->backend(), "cpu");
+}
+
+TEST_P(FaultMatrix, ForcedModeFailsClosedWithTheReason) {
+  const FaultCase& fc = GetParam();
+  LogCapture logs;
+  RuntimeOptions o = options_for(fc.fault);
+  o.canary = fc.canary;
+  o.force_backend = "fault_" + fc.fault;
+  Runtime rt(o);
+  DenseCase c(test::fresh_seed());
+  try {
+    c.run(rt);
+    FAIL() << "forced broken backend did not fail";
+  } catch (const BackendUnavailable& e) {
+    EXPECT_THAT(std::string(e.what()), HasSubstr(fc.reason));
+    EXPECT_EQ(e.backend(), "fault_" + fc.fault);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Faults, FaultMatrix,
+    ::testing::Values(
+        FaultCase{"missing_entry", "missing symbol attnrt_plugin_get"},
+        FaultCase{"wrong_abi", "plugin ABI version 2.0, host needs major 1"},
+        FaultCase{"null_plan", "required entry point is null: plan"},
+        FaultCase{"plan_fails", "injected plan failure"},
+        FaultCase{"run_fails", "injected run failure", /*canary=*/false},
+        FaultCase{"run_fails", "canary failed: run failed: injected run failure"},
+        FaultCase{"wrong_numbers", "canary mismatch (max err"},
+        FaultCase{"missing_dep", "libattnrt_testdep.so: cannot open shared object file"}),
+    [](const auto& info) {
+      return info.param.fault + (info.param.canary ? "" : "_nocanary");
+    });
+
+TEST(Registry, HealthyPluginOutranksCpu) {
+  LogCapture logs;
+  Runtime rt(options_for("healthy"));
+  DenseCase c(test::fresh_seed());
+  c.run(rt);
+  EXPECT_LT(c.err(), 1e-5);
+  EXPECT_EQ(rt.plan(c.problem, c.layout)->backend(), "fault_healthy");
+  EXPECT_TRUE(logs.warnings().empty()) << ::testing::PrintToString(logs.warnings());
+  // An op it does not claim goes to the next candidate without a warning.
+  DenseCase b(test::fresh_seed());
+  b.problem.q_dtype = b.problem.kv_dtype = DType::bf16;
+  EXPECT_EQ(rt.diagnose(b.problem).front().backend, "fault_healthy");
+  EXPECT_FALSE(rt.diagnose(b.problem).front().available);
+}
+
+TEST(Registry, StrictModeRefusesFallback) {
+  LogCapture logs;
+  RuntimeOptions o = options_for("plan_fails");
+  o.strict = true;
+  Runtime rt(o);
+  DenseCase c(test::fresh_seed());
+  try {
+    c.run(rt);
+    FAIL() << "strict mode allowed a fallback";
+  } catch (const BackendUnavailable& e) {
+    EXPECT_THAT(std::string(e.what()), HasSubstr("ATTNRT_STRICT"));
+    EXPECT_THAT(std::string(e.what()), HasSubstr("injected plan failure"));
+  }
+}
+
+TEST(Registry, UnknownNamesListTheKnownOnes) {
+  RuntimeOptions o = options_for("healthy");
+  o.disable = std::vector<std::string>{"nosuch"};
+  try {
+    Runtime rt(o);
+    FAIL();
+  } catch (const InvalidArgument& e) {
+    EXPECT_THAT(std::string(e.what()), HasSubstr("ATTNRT_DISABLE: unknown backend 'nosuch'"));
+    EXPECT_THAT(std::string(e.what()), HasSubstr("cpu, fault_healthy, reference"));
+  }
+  o.disable = std::vector<std::string>{};
+  o.force_backend = "nosuch";
+  EXPECT_THROW(Runtime{o}, InvalidArgument);
+}
+
+TEST(Registry, DisableRemovesBackends) {
+  RuntimeOptions o = options_for("healthy");
+  o.disable = std::vector<std::string>{"fault_healthy", "cpu"};
+  Runtime rt(o);
+  DenseCase c(test::fresh_seed());
+  c.run(rt);
+  EXPECT_LT(c.err(), 1e-5);
+  EXPECT_EQ(rt.plan(c.problem, c.layout)->backend(), "reference");
+}
+
+TEST(Registry, BadInputNeverTriggersFallback) {
+  LogCapture logs;
+  Runtime rt(options_for("healthy"));
+  DenseCase c(test::fresh_seed());
+  c.layout.q_len[0] = c.layout.kv_len[0] + 1;
+  c.layout = BatchLayout::make(c.layout.page_size, c.layout.q_len, c.layout.kv_len, {});
+  EXPECT_THROW(c.run(rt), InvalidArgument);
+  EXPECT_TRUE(logs.warnings().empty());
+  EXPECT_TRUE(rt.report().ops.empty());
+}
+
+TEST(PlanCache, ExactKeys) {
+  Runtime rt(options_for("none"));
+  DenseCase a(1), b(1, Op::dense_extend, 30);  // differ in one kv_len
+  auto pa = rt.plan(a.problem, a.layout);
+  auto pb = rt.plan(b.problem, b.layout);
+  EXPECT_NE(pa.get(), pb.get());
+  EXPECT_EQ(pa.get(), rt.plan(a.problem, a.layout).get());
+  EXPECT_EQ(pb->layout().kv_len[0], 30);
+  Problem other = a.problem;
+  other.write_lse = false;
+  EXPECT_NE(pa.get(), rt.plan(other, a.layout).get());
+  // A page id change is a different layout too.
+  BatchLayout moved = a.layout;
+  std::swap(moved.page_ids[0], moved.page_ids[1]);
+  EXPECT_NE(pa.get(), rt.plan(a.problem, moved).get());
+  Report r = rt.report();
+  EXPECT_EQ(r.plan_cache_hits, 1);
+}
+
+TEST(PlanCache, ForceReplanDisablesReuse) {
+  RuntimeOptions o = options_for("none");
+  o.force_replan = true;
+  Runtime rt(o);
+  DenseCase a(1);
+  EXPECT_NE(rt.plan(a.problem, a.layout).get(), rt.plan(a.problem, a.layout).get());
+}
+
+TEST(PlanCache, BoundedLru) {
+  RuntimeOptions o = options_for("none");
+  o.plan_cache_capacity = 2;
+  Runtime rt(o);
+  DenseCase a(1, Op::dense_extend, 20), b(1, Op::dense_extend, 21), c(1, Op::dense_extend, 22);
+  auto pa = rt.plan(a.problem, a.layout);
+  rt.plan(b.problem, b.layout);
+  rt.plan(c.problem, c.layout);  // evicts a
+  EXPECT_NE(pa.get(), rt.plan(a.problem, a.layout).get());
+}
+
+TEST(Runtime, PlanRunsWithTheSameResultEveryLayer) {
+  Runtime rt(options_for("none"));
+  DenseCase c(test::fresh_seed());
+  auto plan = rt.plan(c.problem, c.layout);
+  test::poison(c.out);
+  rt.run(*plan, c.tensors());
+  HostTensor first = c.out;
+  test::poison(c.out);
+  rt.run(*plan, c.tensors());
+  EXPECT_EQ(std::memcmp(first.bytes.data(), c.out.bytes.data(), c.out.bytes.size()), 0);
+  EXPECT_LT(c.err(), 1e-5);
+}
+
+TEST(Runtime, EightThreadsMatchSerial) {
+  Runtime rt(options_for("healthy"));
+  std::vector<std::unique_ptr<DenseCase>> cases;
+  for (int i = 0; i < 8; ++i)
+    cases.push_back(std::make_unique<DenseCase>(test::fresh_seed() + i, i % 2 ? Op::dense_decode : Op::dense_extend));
+  std::vector<std::thread> threads;
+  std::atomic<int> bad{0};
+  for (int i = 0; i < 8; ++i)
+    threads.emplace_back([&, i] {
+      for (int rep = 0; rep < 5; ++rep) {
+        cases[i]->run(rt);
+        if (!(cases[i]->err() < 1e-5)) ++bad;
+      }
+    });
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(bad.load(), 0);
+}
+
+TEST(Runtime, TwoRuntimesConcurrentlyOnDifferentData) {
+  Runtime r1(options_for("none")), r2(options_for("healthy"));
+  DenseCase a(test::fresh_seed()), b(test::fresh_seed() + 7, Op::dense_decode);
+  std::atomic<int> bad{0};
+  std::thread t1([&] {
+    for (int i = 0; i < 10; ++i) {
+      a.run(r1);
+      if (!(a.err() < 1e-5)) ++bad;
+    }
+  });
+  std::thread t2([&] {
+    for (int i = 0; i < 10; ++i) {
+      b.run(r2);
+      if (!(b.err() < 1e-5)) ++bad;
+    }
+  });
+  t1.join();
+  t2.join();
+  EXPECT_EQ(bad.load(), 0);
+}
+
+TEST(Logging, OneTimeWarningsAreOncePerKeyAcrossThreads) {
+  LogCapture logs;
+  RuntimeOptions o = options_for("plan_fails");
+  Runtime rt(o);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < 8; ++i)
+    threads.emplace_back([&, i] {
+      DenseCase c(100 + i);
+      c.run(rt);
+    });
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(count_containing(logs.warnings(), "injected plan failure"), 1);
+}
+
+TEST(Workspace, LeasesAreExclusiveAndReused) {
+  Runtime rt(options_for("none"));
+  DeviceBuffer b = rt.allocate(Device::cpu(), 1000);
+  ASSERT_NE(b.data(), nullptr);
+  std::vector<char> src(1000, 7), dst(1000, 0);
+  rt.copy_to_device(b, src.data(), 1000);
+  rt.copy_to_host(dst.data(), b, 1000);
+  EXPECT_EQ(src, dst);
+  EXPECT_THROW(rt.copy_to_device(b, src.data(), 1000, 1), InvalidArgument);
+}
+
+}  // namespace
+}  // namespace attnrt
