@@ -287,7 +287,9 @@ void expect_good(const Case& c, uint32_t seed) {
   EXPECT_TRUE(r.all_written) << "unwritten (NaN) output, seed " << seed;
   EXPECT_TRUE(r.repeat_identical) << "repeat not bit-identical, seed " << seed;
   EXPECT_LT(r.rel_o, tol) << "seed " << seed << " op " << c.op << " d " << c.d;
-  if (c.lse) EXPECT_LT(r.max_lse, 1e-3) << "seed " << seed;
+  if (c.lse) {
+    EXPECT_LT(r.max_lse, 1e-3) << "seed " << seed;
+  }
 }
 
 TEST(CudaPlugin, LoadsAndReportsDevice) {
