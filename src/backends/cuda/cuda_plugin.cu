@@ -90,7 +90,49 @@ __device__ void attend_range(const Geometry& g, const T* __restrict__ kc, const 
   l = 0.f;
 #pragma unroll
   for (int i = 0; i < NV; ++i) acc[i] = 0.f;
-  for (int j = kb; j < ke; ++j) {
+  // Four keys per step: four independent dot products and shuffle reductions in flight hide
+  // the reduction latency (the single-key loop below finishes the tail).
+  int j = kb;
+  for (; j + 4 <= ke; j += 4) {
+    float s[4];
+    const T* vp[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int jj = j + u;
+      const int64_t page = pages[jj / g.page_size];
+      const int row = jj % g.page_size;
+      const T* kp = kc + page * g.k_s0 + row * g.k_s1 + kvh * g.k_s2;
+      vp[u] = vc + page * g.v_s0 + row * g.v_s1 + kvh * g.v_s2;
+      s[u] = 0.f;
+#pragma unroll
+      for (int i = 0; i < NV; ++i) s[u] += qf[i] * to_f(kp[lane + kWarp * i]);
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+#pragma unroll
+      for (int u = 0; u < 4; ++u) s[u] += __shfl_xor_sync(0xffffffffu, s[u], o);
+    }
+    float mn = m;
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      s[u] *= g.scale_log2;
+      mn = fmaxf(mn, s[u]);
+    }
+    const float corr = exp2f(m - mn);
+    float p[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) p[u] = exp2f(s[u] - mn);
+    l = l * corr + ((p[0] + p[1]) + (p[2] + p[3]));
+#pragma unroll
+    for (int i = 0; i < NV; ++i) {
+      float a = acc[i] * corr;
+#pragma unroll
+      for (int u = 0; u < 4; ++u) a += p[u] * to_f(vp[u][lane + kWarp * i]);
+      acc[i] = a;
+    }
+    m = mn;
+  }
+  for (; j < ke; ++j) {
     const int64_t page = pages[j / g.page_size];
     const int row = j % g.page_size;
     const T* kp = kc + page * g.k_s0 + row * g.k_s1 + kvh * g.k_s2;
