@@ -1,0 +1,274 @@
+// cpu backend vs an independent double-precision naive implementation written here (spec
+// minimax-sparse.md §3-§5), on random shapes; outputs poisoned first; repeats bit-identical.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <numeric>
+
+#include "backends/cpu/cpu_backend.h"
+#include "support.h"
+
+namespace attnrt::test {
+namespace {
+
+struct HostMem : DeviceMemory {
+  void* alloc(size_t n) override { return std::aligned_alloc(64, (n + 63) / 64 * 64); }
+  void free(void* p) noexcept override { std::free(p); }
+};
+
+struct Case {
+  BatchLayout layout;
+  int num_pages = 0;
+};
+
+Case make_case(std::mt19937_64& rng, int page_size, int nreq, bool decode, int max_kv) {
+  std::vector<int32_t> ql, kl;
+  for (int b = 0; b < nreq; ++b) {
+    int kv = 1 + static_cast<int>(rng() % max_kv);
+    kl.push_back(kv);
+    ql.push_back(decode ? 1 : 1 + static_cast<int>(rng() % std::min(kv, 40)));
+  }
+  int total = 0;
+  for (int kv : kl) total += (kv + page_size - 1) / page_size;
+  std::vector<int32_t> perm(total);
+  std::iota(perm.begin(), perm.end(), 0);
+  std::shuffle(perm.begin(), perm.end(), rng);
+  std::vector<std::vector<int32_t>> pages;
+  int at = 0;
+  for (int kv : kl) {
+    int n = (kv + page_size - 1) / page_size;
+    pages.emplace_back(perm.begin() + at, perm.begin() + at + n);
+    at += n;
+  }
+  return {BatchLayout::make(page_size, ql, kl, pages), total};
+}
+
+double kv_at(const HostTensor& c, const BatchLayout& L, int b, int64_t j, int h, int x) {
+  int64_t page = L.page_ids[L.page_indptr[b] + j / L.page_size];
+  return c.get(c.view.offset({page, j % L.page_size, h, x}));
+}
+
+// Naive attention (dense or sparse) in double.
+void naive_attend(const Problem& p, const BatchLayout& L, const HostTensor& q, const HostTensor& k,
+                  const HostTensor& v, const HostTensor* sink, const HostTensor* topk,
+                  HostTensor& out, HostTensor& lse) {
+  const int Hq = p.num_q_heads, Hkv = p.num_kv_heads, D = p.head_dim, G = Hq / Hkv;
+  const double sc = p.effective_sm_scale();
+  for (int b = 0; b < L.num_requests(); ++b)
+    for (int64_t r = L.q_indptr[b]; r < L.q_indptr[b + 1]; ++r) {
+      int64_t pos = L.kv_len[b] - L.q_len[b] + (r - L.q_indptr[b]);
+      for (int hq = 0; hq < Hq; ++hq) {
+        int g = hq / G;
+        std::vector<int64_t> J;
+        for (int64_t j = 0; j <= pos; ++j) {
+          bool ok = true;
+          if (topk) {
+            ok = false;
+            int R = p.num_index_heads / Hkv;
+            for (int i = 0; i < R && !ok; ++i)
+              for (int kk = 0; kk < p.topk; ++kk)
+                if (static_cast<const int32_t*>(topk->view.data)[topk->view.offset({g * R + i, r, kk})] ==
+                    j / p.block_size)
+                  ok = true;
+          }
+          if (ok) J.push_back(j);
+        }
+        std::vector<double> z;
+        double m = -INFINITY;
+        for (int64_t j : J) {
+          double d = 0;
+          for (int x = 0; x < D; ++x) d += q.get(q.view.offset({r, hq, x})) * kv_at(k, L, b, j, g, x);
+          z.push_back(d * sc);
+          m = std::max(m, z.back());
+        }
+        double sk = sink ? sink->get(hq) : -INFINITY;
+        m = std::max(m, sk);
+        double Ls = sink ? std::exp(sk - m) : 0.0;
+        for (double zz : z) Ls += std::exp(zz - m);
+        for (int x = 0; x < D; ++x) {
+          double o = 0;
+          for (size_t i = 0; i < J.size(); ++i) o += std::exp(z[i] - m) * kv_at(v, L, b, J[i], g, x);
+          out.set(out.view.offset({r, hq, x}), Ls > 0 ? static_cast<float>(o / Ls) : 0.f);
+        }
+        lse.set(lse.view.offset({r, hq}), Ls > 0 ? static_cast<float>(m + std::log(Ls)) : -INFINITY);
+      }
+    }
+}
+
+std::unique_ptr<BackendPlan> plan_of(Backend& be, const Problem& p, const BatchLayout& L,
+                                     Workspace& ws) {
+  EXPECT_TRUE(be.probe(p).available) << be.probe(p).reason;
+  return be.plan(p, L, ws);
+}
+
+TEST(CpuParity, AttendSweep) {
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  auto be = make_cpu_backend(2);
+  Workspace ws(Device::cpu(), std::make_shared<HostMem>());
+  const int page_sizes[] = {1, 16, 64, 128};
+  for (int it = 0; it < 12; ++it) {
+    Problem p;
+    const bool sparse = it % 2 == 1;
+    const bool decode = it % 4 >= 2;
+    p.op = sparse ? (decode ? Op::sparse_attend_decode : Op::sparse_attend_extend)
+                  : (decode ? Op::dense_decode : Op::dense_extend);
+    p.q_dtype = p.kv_dtype = (it % 3 == 0) ? DType::bf16 : DType::f32;
+    p.page_size = page_sizes[it % 4];
+    p.num_kv_heads = 1 + static_cast<int>(rng() % 2);
+    const int G = 1 << (rng() % 5);
+    p.num_q_heads = p.num_kv_heads * G;
+    p.head_dim = (it % 5 == 0) ? 128 : 64;
+    p.has_sink = rng() % 2;
+    p.write_lse = true;
+    p.block_size = 16;
+    p.topk = 1 + static_cast<int>(rng() % 8);
+    p.num_index_heads = p.num_kv_heads * (1 + static_cast<int>(rng() % 2));
+    Case c = make_case(rng, p.page_size, 1 + static_cast<int>(rng() % 4), decode, 150);
+    const BatchLayout& L = c.layout;
+    const int64_t T = L.total_q();
+    const int D = p.head_dim;
+    HostTensor q(p.q_dtype, {T, p.num_q_heads, D});
+    HostTensor k(p.kv_dtype, {c.num_pages, p.page_size, p.num_kv_heads, D});
+    HostTensor v(p.kv_dtype, {c.num_pages, p.page_size, p.num_kv_heads, D});
+    HostTensor sink(DType::f32, {p.num_q_heads});
+    HostTensor topk(DType::i32, {p.num_index_heads, T, p.topk});
+    fill_normal(q, rng);
+    fill_normal(k, rng);
+    fill_normal(v, rng);
+    fill_normal(sink, rng);
+    // Random legal selections: ascending unique visible block ids, own block always in.
+    for (int b = 0; b < L.num_requests(); ++b)
+      for (int64_t r = L.q_indptr[b]; r < L.q_indptr[b + 1]; ++r) {
+        int64_t pos = L.kv_len[b] - L.q_len[b] + (r - L.q_indptr[b]);
+        int nvis = static_cast<int>(pos / p.block_size + 1);
+        for (int h = 0; h < p.num_index_heads; ++h) {
+          std::vector<int32_t> ids(nvis);
+          std::iota(ids.begin(), ids.end(), 0);
+          std::shuffle(ids.begin(), ids.end() - 1, rng);
+          std::swap(ids[0], ids.back());
+          int n = std::min(p.topk, nvis);
+          std::sort(ids.begin(), ids.begin() + n);
+          auto* o = static_cast<int32_t*>(topk.view.data);
+          for (int kk = 0; kk < p.topk; ++kk) o[topk.view.offset({h, r, kk})] = kk < n ? ids[kk] : -1;
+        }
+      }
+    HostTensor out(p.q_dtype, {T, p.num_q_heads, D}), lse(DType::f32, {T, p.num_q_heads});
+    HostTensor ro(p.q_dtype, {T, p.num_q_heads, D}), rl(DType::f32, {T, p.num_q_heads});
+    poison(out);
+    poison(lse);
+    Tensors t;
+    t.q = q.view;
+    t.k_cache = k.view;
+    t.v_cache = v.view;
+    t.out = out.view;
+    t.lse = lse.view;
+    if (p.has_sink) t.sink = sink.view;
+    if (sparse) t.topk = topk.view;
+    auto pl = plan_of(*be, p, L, ws);
+    be->run(*pl, p, L, t, ws);
+    naive_attend(p, L, q, k, v, p.has_sink ? &sink : nullptr, sparse ? &topk : nullptr, ro, rl);
+    SCOPED_TRACE(p.describe());
+    EXPECT_FALSE(has_nan(out));
+    if (p.q_dtype == DType::f32) {
+      EXPECT_LE(rel_l2(out, ro), 1e-5);
+    } else {
+      EXPECT_TRUE(allclose(out, ro, 5e-3, 5e-3)) << max_abs_diff(out, ro);
+    }
+    EXPECT_LE(max_abs_diff(lse, rl), 1e-3);
+    // Bit-identical repeat.
+    HostTensor out2(p.q_dtype, {T, p.num_q_heads, D});
+    poison(out2);
+    t.out = out2.view;
+    be->run(*pl, p, L, t, ws);
+    EXPECT_EQ(0, std::memcmp(out.view.data, out2.view.data, out.bytes.size()));
+  }
+}
+
+TEST(CpuParity, IndexTopkAsSet) {
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  auto be = make_cpu_backend(2);
+  Workspace ws(Device::cpu(), std::make_shared<HostMem>());
+  for (int it = 0; it < 8; ++it) {
+    Problem p;
+    const bool decode = it % 2;
+    p.op = decode ? Op::sparse_index_decode : Op::sparse_index_extend;
+    p.q_dtype = p.kv_dtype = it % 3 == 0 ? DType::bf16 : DType::f32;
+    p.page_size = (it % 4 == 0) ? 1 : 16;
+    p.num_index_heads = 1 + static_cast<int>(rng() % 3);
+    p.index_dim = 64;
+    p.block_size = 16;
+    p.topk = 1 + static_cast<int>(rng() % 12);
+    p.init_blocks = (it % 4 == 3 && p.topk >= 3) ? 1 : 0;
+    p.local_blocks = (it % 4 >= 2 && p.topk >= 3) ? 2 : 0;
+    p.score_type = it % 3 == 1 ? ScoreType::lse : ScoreType::max;
+    Case c = make_case(rng, p.page_size, 1 + static_cast<int>(rng() % 4), decode, 300);
+    const BatchLayout& L = c.layout;
+    const int64_t T = L.total_q();
+    HostTensor iq(p.q_dtype, {T, p.num_index_heads, p.index_dim});
+    HostTensor ik(p.kv_dtype, {c.num_pages, p.page_size, 1, p.index_dim});
+    HostTensor topk(DType::i32, {p.num_index_heads, T, p.topk});
+    fill_normal(iq, rng);
+    fill_normal(ik, rng);
+    poison(topk);
+    Tensors t;
+    t.index_q = iq.view;
+    t.index_k_cache = ik.view;
+    t.topk = topk.view;
+    auto pl = plan_of(*be, p, L, ws);
+    be->run(*pl, p, L, t, ws);
+    const double s = p.effective_index_scale();
+    const auto* got = static_cast<const int32_t*>(topk.view.data);
+    for (int b = 0; b < L.num_requests(); ++b)
+      for (int64_t r = L.q_indptr[b]; r < L.q_indptr[b + 1]; ++r) {
+        int64_t pos = L.kv_len[b] - L.q_len[b] + (r - L.q_indptr[b]);
+        int nvis = static_cast<int>(pos / p.block_size + 1);
+        for (int h = 0; h < p.num_index_heads; ++h) {
+          std::vector<double> S(nvis);
+          for (int cc = 0; cc < nvis; ++cc) {
+            double mx = -INFINITY, acc = 0;
+            std::vector<double> z;
+            for (int64_t j = cc * p.block_size; j < (cc + 1) * p.block_size && j <= pos; ++j) {
+              double d = 0;
+              for (int x = 0; x < p.index_dim; ++x)
+                d += iq.get(iq.view.offset({r, h, x})) * kv_at(ik, L, b, j, 0, x);
+              z.push_back(d * s);
+              mx = std::max(mx, d * s);
+            }
+            for (double zz : z) acc += std::exp(zz - mx);
+            S[cc] = p.score_type == ScoreType::max ? mx : mx + std::log(acc);
+            if (cc < p.init_blocks) S[cc] = 1e30;
+            if (cc >= nvis - p.local_blocks) S[cc] = 1e29;
+          }
+          int keff = std::min(p.topk, nvis);
+          std::vector<double> sorted = S;
+          std::sort(sorted.rbegin(), sorted.rend());
+          const double thr = sorted[keff - 1];
+          for (int kk = 0; kk < p.topk; ++kk) {
+            int32_t id = got[topk.view.offset({h, r, kk})];
+            if (kk >= keff) {
+              EXPECT_EQ(id, -1);
+              continue;
+            }
+            ASSERT_GE(id, 0);
+            ASSERT_LT(id, nvis);
+            if (kk > 0) {
+              EXPECT_LT(got[topk.view.offset({h, r, kk - 1})], id);
+            }
+            // Set equality up to near-ties at the threshold.
+            EXPECT_GE(S[id], thr - 1e-3 * std::max(1.0, std::abs(thr)));
+          }
+        }
+      }
+  }
+}
+
+}  // namespace
+}  // namespace attnrt::test
