@@ -20,6 +20,7 @@
 #include <cstdio>
 #include <cstring>
 #include <new>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -73,6 +74,18 @@ __device__ __forceinline__ __half from_f<__half>(float v) { return __float2half_
 template <>
 __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
 
+// Loads NV contiguous elements (lane's slice) with one vector load (NV*2 bytes) into floats.
+template <typename T, int NV>
+__device__ __forceinline__ void load_vec(const T* __restrict__ p, float (&f)[NV]) {
+  static_assert(NV == 2 || NV == 4 || NV == 8, "NV");
+  using V = typename std::conditional<NV == 2, uint32_t,
+            typename std::conditional<NV == 4, uint2, uint4>::type>::type;
+  V v = *reinterpret_cast<const V*>(p);
+  const T* e = reinterpret_cast<const T*>(&v);
+#pragma unroll
+  for (int i = 0; i < NV; ++i) f[i] = to_f(e[i]);
+}
+
 struct Geometry {
   int hq, hkv, group, page_size;
   float scale_log2;  // sm_scale * log2(e)
@@ -103,9 +116,11 @@ __device__ void attend_range(const Geometry& g, const T* __restrict__ kc, const 
       const int row = jj % g.page_size;
       const T* kp = kc + page * g.k_s0 + row * g.k_s1 + kvh * g.k_s2;
       vp[u] = vc + page * g.v_s0 + row * g.v_s1 + kvh * g.v_s2;
+      float kf[NV];
+      load_vec<T, NV>(kp + lane * NV, kf);
       s[u] = 0.f;
 #pragma unroll
-      for (int i = 0; i < NV; ++i) s[u] += qf[i] * to_f(kp[lane + kWarp * i]);
+      for (int i = 0; i < NV; ++i) s[u] += qf[i] * kf[i];
     }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) {
@@ -123,11 +138,14 @@ __device__ void attend_range(const Geometry& g, const T* __restrict__ kc, const 
 #pragma unroll
     for (int u = 0; u < 4; ++u) p[u] = exp2f(s[u] - mn);
     l = l * corr + ((p[0] + p[1]) + (p[2] + p[3]));
+    float vf[4][NV];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) load_vec<T, NV>(vp[u] + lane * NV, vf[u]);
 #pragma unroll
     for (int i = 0; i < NV; ++i) {
       float a = acc[i] * corr;
 #pragma unroll
-      for (int u = 0; u < 4; ++u) a += p[u] * to_f(vp[u][lane + kWarp * i]);
+      for (int u = 0; u < 4; ++u) a += p[u] * vf[u][i];
       acc[i] = a;
     }
     m = mn;
@@ -139,7 +157,7 @@ __device__ void attend_range(const Geometry& g, const T* __restrict__ kc, const 
     const T* vp = vc + page * g.v_s0 + row * g.v_s1 + kvh * g.v_s2;
     float s = 0.f;
 #pragma unroll
-    for (int i = 0; i < NV; ++i) s += qf[i] * to_f(kp[lane + kWarp * i]);
+    for (int i = 0; i < NV; ++i) s += qf[i] * to_f(kp[lane * NV + i]);
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
     s *= g.scale_log2;
@@ -148,7 +166,7 @@ __device__ void attend_range(const Geometry& g, const T* __restrict__ kc, const 
     const float p = exp2f(s - mn);
     l = l * corr + p;
 #pragma unroll
-    for (int i = 0; i < NV; ++i) acc[i] = acc[i] * corr + p * to_f(vp[lane + kWarp * i]);
+    for (int i = 0; i < NV; ++i) acc[i] = acc[i] * corr + p * to_f(vp[lane * NV + i]);
     m = mn;
   }
 }
@@ -172,7 +190,7 @@ __device__ void finalize(const Geometry& g, float m2, float l, const float (&acc
   }
   const float inv = l > 0.f ? 1.f / l : 0.f;
 #pragma unroll
-  for (int i = 0; i < NV; ++i) orow[lane + kWarp * i] = from_f<T>(acc[i] * inv);
+  for (int i = 0; i < NV; ++i) orow[lane * NV + i] = from_f<T>(acc[i] * inv);
   if (lse_out != nullptr && lane == 0)
     *lse_out = l > 0.f ? (m2 + log2f(l)) * 0.6931471805599453f : -INFINITY;
 }
@@ -194,7 +212,7 @@ __global__ void extend_kernel(Geometry g, const T* __restrict__ q, const T* __re
   float qf[NV], acc[NV], m, l;
   const T* qrow = q + t * g.q_s0 + h * g.q_s1;
 #pragma unroll
-  for (int i = 0; i < NV; ++i) qf[i] = to_f(qrow[lane + kWarp * i]);
+  for (int i = 0; i < NV; ++i) qf[i] = to_f(qrow[lane * NV + i]);
   attend_range<T, NV>(g, kc, vc, page_ids + page_indptr[b], h / g.group, 0, pos + 1, qf, m, l, acc);
   finalize<T, NV>(g, m, l, acc, sink, h, out + t * g.o_s0 + h * g.o_s1,
                   lse ? lse + t * g.lse_s0 + h : nullptr);
@@ -216,13 +234,13 @@ __global__ void decode_split_kernel(Geometry g, const T* __restrict__ q, const T
   float qf[NV], acc[NV], m, l;
   const T* qrow = q + b * g.q_s0 + h * g.q_s1;
 #pragma unroll
-  for (int i = 0; i < NV; ++i) qf[i] = to_f(qrow[lane + kWarp * i]);
+  for (int i = 0; i < NV; ++i) qf[i] = to_f(qrow[lane * NV + i]);
   attend_range<T, NV>(g, kc, vc, page_ids + page_indptr[b], h / g.group, item.y, item.z, qf, m, l,
                       acc);
   const float inv = l > 0.f ? 1.f / l : 0.f;
   float* po = part_o + (static_cast<int64_t>(it) * g.hq + h) * (NV * kWarp);
 #pragma unroll
-  for (int i = 0; i < NV; ++i) po[lane + kWarp * i] = acc[i] * inv;  // empty split: o = 0
+  for (int i = 0; i < NV; ++i) po[lane * NV + i] = acc[i] * inv;  // empty split: o = 0
   if (lane == 0) part_lse[it * g.hq + h] = l > 0.f ? m + log2f(l) : -INFINITY;
 }
 
@@ -248,7 +266,7 @@ __global__ void decode_merge_kernel(Geometry g, const int32_t* __restrict__ item
       l += w;
       const float* po = part_o + (static_cast<int64_t>(i) * g.hq + h) * (NV * kWarp);
 #pragma unroll
-      for (int k = 0; k < NV; ++k) acc[k] += w * po[lane + kWarp * k];
+      for (int k = 0; k < NV; ++k) acc[k] += w * po[lane * NV + k];
     }
   }
   finalize<T, NV>(g, m, l, acc, sink, h, out + b * g.o_s0 + h * g.o_s1,
@@ -508,6 +526,13 @@ int32_t p_run(attnrt_plan plan, const attnrt_tensors* t, void* stream) {
     if (pl.problem.write_lse && (!t->lse.data || t->lse.strides[1] != 1))
       return fail(ATTNRT_INVALID, "lse must be present with unit innermost stride");
     if (pl.problem.has_sink && !t->sink.data) return fail(ATTNRT_INVALID, "sink missing");
+    // Vector loads need each row 16-byte aligned: pointers and row strides multiples of 8 elements.
+    const attnrt_tensor* rows[] = {&t->q, &t->out, &t->k_cache, &t->v_cache};
+    for (const attnrt_tensor* x : rows) {
+      bool ok = reinterpret_cast<uintptr_t>(x->data) % 16 == 0;
+      for (int k = 0; k + 1 < x->rank; ++k) ok = ok && x->strides[k] % 8 == 0;
+      if (!ok) return fail(ATTNRT_UNAVAILABLE, "cuda needs 16-byte aligned rows (strides multiple of 8)");
+    }
     CK(cudaSetDevice(pl.problem.device.index));
     cudaStream_t st = static_cast<cudaStream_t>(stream);
     if (pl.problem.q_dtype == ATTNRT_BF16) return launch_d<__nv_bfloat16>(pl, t, st);
