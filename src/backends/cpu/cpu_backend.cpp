@@ -131,6 +131,19 @@ inline const char* row_ptr(const TensorView& t, int64_t elem_off) {
   return static_cast<const char*>(t.data) + elem_off * static_cast<int64_t>(dtype_size(t.dtype));
 }
 
+// Dot product with 16 independent partial sums in a fixed order: vectorises without
+// -ffast-math (no reassociation needed) and stays deterministic.
+__attribute__((always_inline)) inline float dot16(const float* a, const float* b, int n) {
+  float p[16] = {};
+  int x = 0;
+  for (; x + 16 <= n; x += 16)
+    for (int i = 0; i < 16; ++i) p[i] += a[x + i] * b[x + i];
+  float d = 0.f;
+  for (; x < n; ++x) d += a[x] * b[x];
+  for (int i = 0; i < 16; ++i) d += p[i];
+  return d;
+}
+
 // One flash tile: scores of G heads vs n keys, online softmax update. Compiled for AVX-512 and
 // baseline; the loader picks at run time (no -march tie to the build machine).
 __attribute__((target_clones("arch=x86-64-v4", "default"))) void flash_tile(
@@ -142,8 +155,7 @@ __attribute__((target_clones("arch=x86-64-v4", "default"))) void flash_tile(
     float mx = m[h];
     for (int j = 0; j < n; ++j) {
       const float* kj = k + j * D;
-      float d = 0.f;
-      for (int x = 0; x < D; ++x) d += qh[x] * kj[x];
+      const float d = dot16(qh, kj, D);
       s[j] = d;
       mx = std::max(mx, d);
     }
@@ -164,9 +176,7 @@ __attribute__((target_clones("arch=x86-64-v4", "default"))) void flash_tile(
 
 __attribute__((target_clones("arch=x86-64-v4", "default"))) float dot_f32(const float* a,
                                                                           const float* b, int n) {
-  float d = 0.f;
-  for (int x = 0; x < n; ++x) d += a[x] * b[x];
-  return d;
+  return dot16(a, b, n);
 }
 
 struct CpuPlan : BackendPlan {
