@@ -1,0 +1,50 @@
+// attnrt: command-line front end (run, doctor, bench).
+//
+// Exit codes: 0 success; 2 bad input (InvalidArgument, CLI parse error, bad config) with one
+// line "attnrt: error: <message>"; 1 any other failure (backend unavailable in forced mode,
+// --check mismatch, internal error). Every exception is caught here so the program never aborts.
+#include <CLI/CLI.hpp>
+
+#include <cstdio>
+#include <exception>
+
+#include "attnrt/errors.h"
+#include "cli_common.h"
+
+// Provided by tools/bench_cmd.cpp. Weak so the program still links while that file is absent.
+__attribute__((weak)) void add_bench_command(CLI::App& app);
+
+int main(int argc, char** argv) {
+  CLI::App app{"attnrt: attention runtime for paged KV caches"};
+  app.require_subcommand(1);
+  app.set_help_all_flag("--help-all", "Show help for every subcommand");
+  try {
+    attnrt_cli::add_run_command(app);
+    attnrt_cli::add_doctor_command(app);
+    if (&add_bench_command != nullptr) add_bench_command(app);
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForAllHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForVersion& e) {
+    return app.exit(e);
+  } catch (const CLI::ParseError& e) {
+    std::fprintf(stderr, "attnrt: error: %s\n", e.what());
+    return 2;
+  } catch (const attnrt::InvalidArgument& e) {
+    std::fprintf(stderr, "attnrt: error: %s\n", e.what());
+    return 2;
+  } catch (const attnrt::BackendUnavailable& e) {
+    std::fprintf(stderr, "attnrt: error: backend %s unavailable for %s on %s: %s\n",
+                 e.backend().c_str(), e.op().c_str(), e.device().c_str(), e.reason().c_str());
+    return 1;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "attnrt: error: %s\n", e.what());
+    return 1;
+  } catch (...) {
+    std::fprintf(stderr, "attnrt: error: unknown failure\n");
+    return 1;
+  }
+  return 0;
+}

@@ -1,0 +1,358 @@
+// `attnrt run`: one forward pass of attention over every layer of a model.
+//
+// Random activations from a fixed seed (--seed, default 42). All K/V (and index-K) cache pages
+// are filled with random values once on the host, then copied to the device; each step the
+// layout grows from the PageAllocator (prefill of --prompt-len tokens, then --decode-steps single
+// tokens). Per step, one plan per op is made and reused by every layer. Dense layers run
+// dense_*; sparse layers run sparse_index_* (top-k blocks) then sparse_attend_* on that top-k.
+// --check recomputes every layer with the reference backend on host copies and compares.
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <iostream>
+#include <map>
+#include <memory>
+#include <random>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "attnrt/errors.h"
+#include "attnrt/kv_cache.h"
+#include "attnrt/model.h"
+#include "attnrt/runtime.h"
+#include "backends/reference/reference_backend.h"
+#include "cli_common.h"
+
+namespace attnrt_cli {
+namespace {
+
+using attnrt::DType;
+using attnrt::Op;
+using Clock = std::chrono::steady_clock;
+
+struct RunOptions {
+  std::string model = "minimax-m3-tp4";
+  int batch = 1;
+  int prompt_len = 2560;
+  int decode_steps = 4;
+  int page_size = 0;  // 0: Runtime::preferred_page_size, or 128 for sparse models
+  std::string dtype = "bf16";
+  std::string device = "cpu";
+  uint64_t seed = 42;
+  int layers = 0;  // 0: all
+  bool check = false;
+  bool json = false;
+};
+
+// A host array plus its device copy (the same memory when the device is the host).
+struct Buf {
+  std::vector<unsigned char> host;
+  attnrt::DeviceBuffer dev;
+  DType dtype = DType::f32;
+};
+
+Buf make_buf(attnrt::Runtime& rt, attnrt::Device d, DType t, int64_t n) {
+  Buf b;
+  b.dtype = t;
+  b.host.assign(static_cast<size_t>(n) * attnrt::dtype_size(t), 0);
+  b.dev = rt.allocate(d, b.host.size());
+  return b;
+}
+
+void fill(Buf& b, std::mt19937_64& g) {
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  const int64_t n = static_cast<int64_t>(b.host.size() / attnrt::dtype_size(b.dtype));
+  for (int64_t i = 0; i < n; ++i) attnrt::store_from_f32(b.host.data(), b.dtype, i, nd(g));
+}
+
+void upload(attnrt::Runtime& rt, Buf& b) { rt.copy_to_device(b.dev, b.host.data(), b.host.size()); }
+void download(attnrt::Runtime& rt, Buf& b) { rt.copy_to_host(b.host.data(), b.dev, b.host.size()); }
+
+attnrt::TensorView view(void* p, DType t, attnrt::Device d, std::initializer_list<int64_t> s) {
+  return attnrt::TensorView::contiguous(p, t, d, s);
+}
+
+struct OpStats {
+  std::string backend;
+  double seconds = 0;
+  int64_t calls = 0;
+  double max_err = 0;  // max |a-b| (attention) or fraction of differing top-k rows (index)
+  bool failed = false;
+};
+
+void run(const RunOptions& o) {
+  if (o.batch < 1) throw attnrt::InvalidArgument("--batch: got " + std::to_string(o.batch) + ", expected >= 1");
+  if (o.prompt_len < 1)
+    throw attnrt::InvalidArgument("--prompt-len: got " + std::to_string(o.prompt_len) + ", expected >= 1");
+  if (o.decode_steps < 0)
+    throw attnrt::InvalidArgument("--decode-steps: got " + std::to_string(o.decode_steps) + ", expected >= 0");
+  if (o.layers < 0) throw attnrt::InvalidArgument("--layers: got " + std::to_string(o.layers) + ", expected >= 0");
+  if (o.page_size < 0)
+    throw attnrt::InvalidArgument("--page-size: got " + std::to_string(o.page_size) + ", expected >= 1");
+  const attnrt::ModelConfig m = attnrt::resolve_model(o.model);
+  const DType dt = attnrt::parse_dtype(o.dtype, "--dtype");
+  if (dt == DType::i32) throw attnrt::InvalidArgument("--dtype: got i32, expected f32, f16 or bf16");
+  const attnrt::Device dev = attnrt::Device::parse(o.device);
+  const attnrt::Device host = attnrt::Device::cpu();
+  attnrt::Runtime rt;
+
+  const int L = o.layers > 0 ? std::min(o.layers, m.num_layers) : m.num_layers;
+  int ps = o.page_size;
+  if (ps == 0) ps = rt.preferred_page_size(dev);
+  if (ps <= 0 || (o.page_size == 0 && m.use_sparse)) ps = m.use_sparse ? 128 : 16;
+  const int Hq = m.num_q_heads, Hkv = m.num_kv_heads, D = m.head_dim;
+  const int Hidx = m.sparse.num_index_heads, Didx = m.sparse.index_dim, K = m.sparse.topk;
+  const int total_len = o.prompt_len + o.decode_steps;
+  const int pages_per_req = (total_len + ps - 1) / ps;
+  const int num_pages = o.batch * pages_per_req;
+
+  std::mt19937_64 gen(o.seed);
+  // Caches: one pool per layer, [pages, ps, heads, dim].
+  std::vector<Buf> kc, vc, ikc;
+  for (int l = 0; l < L; ++l) {
+    kc.push_back(make_buf(rt, dev, dt, int64_t{num_pages} * ps * Hkv * D));
+    vc.push_back(make_buf(rt, dev, dt, int64_t{num_pages} * ps * Hkv * D));
+    fill(kc.back(), gen);
+    fill(vc.back(), gen);
+    upload(rt, kc.back());
+    upload(rt, vc.back());
+    if (m.layer_sparse[l]) {
+      ikc.push_back(make_buf(rt, dev, dt, int64_t{num_pages} * ps * Didx));
+      fill(ikc.back(), gen);
+      upload(rt, ikc.back());
+    } else {
+      ikc.emplace_back();
+    }
+  }
+  attnrt::PageAllocator alloc(num_pages, ps, o.seed);
+  std::vector<int> reqs;
+  for (int b = 0; b < o.batch; ++b) reqs.push_back(alloc.create());
+
+  if (!o.json) {
+    std::printf("model: %s\n", m.describe().c_str());
+    std::printf("run: %d of %d layers (%d sparse), batch %d, prompt %d, decode %d, page %d, %s, %s, seed %llu\n",
+                L, m.num_layers,
+                static_cast<int>(std::count(m.layer_sparse.begin(), m.layer_sparse.begin() + L, true)),
+                o.batch, o.prompt_len, o.decode_steps, ps, attnrt::dtype_name(dt), dev.str().c_str(),
+                static_cast<unsigned long long>(o.seed));
+  }
+
+  auto base = [&](Op op) {
+    attnrt::Problem p;
+    p.op = op;
+    p.device = dev;
+    p.q_dtype = p.kv_dtype = dt;
+    p.page_size = ps;
+    p.num_q_heads = Hq;
+    p.num_kv_heads = Hkv;
+    p.head_dim = D;
+    if (!attnrt::is_dense(op)) {
+      p.num_index_heads = Hidx;
+      p.index_dim = Didx;
+      p.block_size = m.sparse.block_size;
+      p.topk = K;
+      p.score_type = m.sparse.score_type;
+      if (attnrt::is_index(op)) {
+        p.init_blocks = m.sparse.init_blocks;
+        p.local_blocks = m.sparse.local_blocks;
+      }
+    }
+    return p;
+  };
+
+  std::map<std::string, OpStats> stats;
+  double phase_s[2] = {0, 0};
+  int64_t phase_tokens[2] = {0, 0};
+  bool any_fail = false;
+  auto last_progress = Clock::now();
+  const double tol = dt == DType::f32 ? 1e-5 : 5e-3;
+
+  for (int step = 0; step <= o.decode_steps; ++step) {
+    const bool prefill = step == 0;
+    const int qn = prefill ? o.prompt_len : 1;
+    for (int r : reqs) alloc.append(r, qn);
+    const attnrt::BatchLayout layout = alloc.layout(reqs, std::vector<int32_t>(reqs.size(), qn));
+    const int64_t T = layout.total_q();
+    const Op dense_op = prefill ? Op::dense_extend : Op::dense_decode;
+    const Op idx_op = prefill ? Op::sparse_index_extend : Op::sparse_index_decode;
+    const Op att_op = prefill ? Op::sparse_attend_extend : Op::sparse_attend_decode;
+    std::shared_ptr<const attnrt::Plan> pd, pi, pa;
+    Buf q = make_buf(rt, dev, dt, T * Hq * D), out = make_buf(rt, dev, dt, T * Hq * D);
+    Buf iq, tk;
+    if (m.use_sparse) {
+      iq = make_buf(rt, dev, dt, T * Hidx * Didx);
+      tk = make_buf(rt, dev, DType::i32, int64_t{Hidx} * T * K);
+    }
+    for (int l = 0; l < L; ++l) {
+      const bool sparse = m.layer_sparse[l];
+      fill(q, gen);
+      upload(rt, q);
+      attnrt::Tensors t;
+      t.q = view(q.dev.data(), dt, dev, {T, Hq, D});
+      t.out = view(out.dev.data(), dt, dev, {T, Hq, D});
+      t.k_cache = view(kc[l].dev.data(), dt, dev, {num_pages, ps, Hkv, D});
+      t.v_cache = view(vc[l].dev.data(), dt, dev, {num_pages, ps, Hkv, D});
+      attnrt::Tensors ti;
+      std::vector<std::pair<Op, std::shared_ptr<const attnrt::Plan>*>> ops;
+      if (sparse) {
+        fill(iq, gen);
+        upload(rt, iq);
+        ti.index_q = view(iq.dev.data(), dt, dev, {T, Hidx, Didx});
+        ti.index_k_cache = view(ikc[l].dev.data(), dt, dev, {num_pages, ps, 1, Didx});
+        ti.topk = view(tk.dev.data(), DType::i32, dev, {Hidx, T, K});
+        t.topk = ti.topk;
+        if (!pi) pi = rt.plan(base(idx_op), layout);
+        if (!pa) pa = rt.plan(base(att_op), layout);
+        ops = {{idx_op, &pi}, {att_op, &pa}};
+      } else {
+        if (!pd) pd = rt.plan(base(dense_op), layout);
+        ops = {{dense_op, &pd}};
+      }
+      for (auto& [op, plan] : ops) {
+        const bool is_idx = attnrt::is_index(op);
+        auto t0 = Clock::now();
+        rt.run(**plan, is_idx ? ti : t);
+        rt.synchronize(dev);
+        const double s = std::chrono::duration<double>(Clock::now() - t0).count();
+        OpStats& st = stats[attnrt::op_name(op)];
+        st.backend = (*plan)->backend();
+        st.seconds += s;
+        st.calls += 1;
+        phase_s[prefill ? 0 : 1] += s;
+        if (!o.check) continue;
+        // Reference on host copies of the same inputs.
+        attnrt::Problem hp = base(op);
+        hp.device = host;
+        if (is_idx) {
+          download(rt, tk);
+          std::vector<int32_t> ref(static_cast<size_t>(Hidx) * T * K, -7);
+          attnrt::Tensors h;
+          h.index_q = view(iq.host.data(), dt, host, {T, Hidx, Didx});
+          h.index_k_cache = view(ikc[l].host.data(), dt, host, {num_pages, ps, 1, Didx});
+          h.topk = view(ref.data(), DType::i32, host, {Hidx, T, K});
+          attnrt::reference_compute(hp, layout, h);
+          const int32_t* got = reinterpret_cast<const int32_t*>(tk.host.data());
+          int64_t bad = 0;
+          for (int64_t row = 0; row < int64_t{Hidx} * T; ++row) {
+            std::set<int32_t> a(got + row * K, got + row * K + K), b(&ref[row * K], &ref[row * K] + K);
+            if (a != b) ++bad;
+          }
+          const double frac = static_cast<double>(bad) / (double(Hidx) * T);
+          st.max_err = std::max(st.max_err, frac);
+          // Exact ties in low precision may swap a block; more than 1% of rows is a real bug.
+          if (frac > (dt == DType::f32 ? 0.0 : 0.01)) st.failed = true;
+        } else {
+          download(rt, out);
+          if (sparse) download(rt, tk);  // the attend reference uses the backend's own top-k
+          std::vector<unsigned char> ref(out.host.size());
+          attnrt::Tensors h;
+          h.q = view(q.host.data(), dt, host, {T, Hq, D});
+          h.out = view(ref.data(), dt, host, {T, Hq, D});
+          h.k_cache = view(kc[l].host.data(), dt, host, {num_pages, ps, Hkv, D});
+          h.v_cache = view(vc[l].host.data(), dt, host, {num_pages, ps, Hkv, D});
+          if (sparse) h.topk = view(tk.host.data(), DType::i32, host, {Hidx, T, K});
+          attnrt::reference_compute(hp, layout, h);
+          const int64_t n = T * Hq * D;
+          double num = 0, den = 0, maxe = 0;
+          bool bad = false;
+          for (int64_t i = 0; i < n; ++i) {
+            const double a = attnrt::load_as_f32(out.host.data(), dt, i);
+            const double b = attnrt::load_as_f32(ref.data(), dt, i);
+            const double e = std::fabs(a - b);
+            if (!(e <= tol + tol * std::fabs(b))) bad = true;  // NaN counts as bad
+            maxe = std::max(maxe, std::isnan(e) ? INFINITY : e);
+            num += e * e;
+            den += b * b;
+          }
+          if (dt == DType::f32) bad = !(std::sqrt(num / std::max(den, 1e-30)) <= tol);
+          st.max_err = std::max(st.max_err, maxe);
+          if (bad) st.failed = true;
+        }
+        any_fail = any_fail || st.failed;
+      }
+      if (std::chrono::duration<double>(Clock::now() - last_progress).count() >= 1.0) {
+        std::fprintf(stderr, "attnrt run: %s, layer %d/%d\n",
+                     prefill ? "prefill" : ("decode step " + std::to_string(step)).c_str(), l + 1, L);
+        last_progress = Clock::now();
+      }
+    }
+    phase_tokens[prefill ? 0 : 1] += T;
+  }
+
+  const attnrt::Report rep = rt.report();
+  int64_t fallbacks = 0;
+  for (const auto& e : rep.ops) fallbacks += e.fallbacks;
+  if (o.json) {
+    nlohmann::json j;
+    j["model"] = m.name;
+    j["layers"] = L;
+    j["batch"] = o.batch;
+    j["prompt_len"] = o.prompt_len;
+    j["decode_steps"] = o.decode_steps;
+    j["page_size"] = ps;
+    j["dtype"] = attnrt::dtype_name(dt);
+    j["device"] = dev.str();
+    j["seed"] = o.seed;
+    for (const auto& [name, st] : stats) {
+      j["ops"][name] = {{"backend", st.backend}, {"seconds", st.seconds}, {"calls", st.calls}};
+      if (o.check) {
+        j["ops"][name]["max_error"] = st.max_err;
+        j["ops"][name]["ok"] = !st.failed;
+      }
+    }
+    j["prefill"] = {{"seconds", phase_s[0]}, {"tokens", phase_tokens[0]},
+                    {"tokens_per_s", phase_tokens[0] / std::max(phase_s[0], 1e-12)}};
+    j["decode"] = {{"seconds", phase_s[1]}, {"tokens", phase_tokens[1]},
+                   {"tokens_per_s", phase_tokens[1] / std::max(phase_s[1], 1e-12)}};
+    j["fallbacks"] = fallbacks;
+    j["warnings"] = rep.warnings;
+    if (o.check) j["check_ok"] = !any_fail;
+    std::cout << j.dump(2) << "\n";
+  } else {
+    for (const auto& [name, st] : stats) {
+      std::printf("  %-22s backend %-10s %6lld calls %10.3f ms", name.c_str(), st.backend.c_str(),
+                  static_cast<long long>(st.calls), st.seconds * 1e3);
+      if (o.check)
+        std::printf("  max %s %.3g %s", attnrt::is_index(attnrt::parse_op(name)) ? "rows-differ" : "abs err",
+                    st.max_err, st.failed ? "FAIL" : "ok");
+      std::printf("\n");
+    }
+    std::printf("prefill: %.3f ms, %lld tokens, %.1f tokens/s (attention only, %d layers)\n",
+                phase_s[0] * 1e3, static_cast<long long>(phase_tokens[0]),
+                phase_tokens[0] / std::max(phase_s[0], 1e-12), L);
+    std::printf("decode:  %.3f ms, %lld tokens, %.1f tokens/s\n", phase_s[1] * 1e3,
+                static_cast<long long>(phase_tokens[1]), phase_tokens[1] / std::max(phase_s[1], 1e-12));
+    std::printf("fallbacks: %lld\n", static_cast<long long>(fallbacks));
+    for (const auto& w : rep.warnings) std::printf("warning: %s\n", w.c_str());
+    if (o.check) std::printf("check: %s\n", any_fail ? "FAILED" : "ok");
+  }
+  if (any_fail) throw Failure("--check: results differ from the reference beyond tolerance");
+}
+
+}  // namespace
+
+void add_run_command(CLI::App& app) {
+  auto o = std::make_shared<RunOptions>();
+  auto* sub = app.add_subcommand("run", "Forward pass of attention over every layer of a model");
+  sub->add_option("--model", o->model, "Preset name or config.json path")->capture_default_str();
+  sub->add_option("--batch", o->batch, "Requests in the batch")->capture_default_str();
+  sub->add_option("--prompt-len", o->prompt_len, "Prompt tokens per request")->capture_default_str();
+  sub->add_option("--decode-steps", o->decode_steps, "Decode steps after prefill")->capture_default_str();
+  sub->add_option("--page-size", o->page_size,
+                  "KV page size (0: backend's preferred, 128 for sparse models)")
+      ->capture_default_str();
+  sub->add_option("--dtype", o->dtype, "f32, f16 or bf16")->capture_default_str();
+  sub->add_option("--device", o->device, "cpu or cuda:N")->capture_default_str();
+  sub->add_option("--seed", o->seed, "Random seed")->capture_default_str();
+  sub->add_option("--layers", o->layers, "Run only the first N layers (0: all)")->capture_default_str();
+  sub->add_flag("--check", o->check, "Compare every layer with the reference backend");
+  sub->add_flag("--json", o->json, "Print JSON");
+  sub->callback([o] { run(*o); });
+}
+
+}  // namespace attnrt_cli
