@@ -116,7 +116,8 @@ void run_resolved(const RunOptions& o, const attnrt::ModelConfig& m) {
   const int L = o.layers > 0 ? std::min(o.layers, m.num_layers) : m.num_layers;
   int ps = o.page_size;
   if (ps == 0) ps = rt.preferred_page_size(dev);
-  if (ps <= 0 || (o.page_size == 0 && m.use_sparse)) ps = m.use_sparse ? 128 : 16;
+  // Sparse layers: page = block is the fast path of every backend.
+  if (ps <= 0 || (o.page_size == 0 && m.use_sparse)) ps = m.use_sparse ? m.sparse.block_size : 16;
   const int Hq = m.num_q_heads, Hkv = m.num_kv_heads, D = m.head_dim;
   const int Hidx = m.sparse.num_index_heads, Didx = m.sparse.index_dim, K = m.sparse.topk;
   const int total_len = o.prompt_len + o.decode_steps;

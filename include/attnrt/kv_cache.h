@@ -72,6 +72,7 @@ class PageAllocator {
     int len = 0;
     std::vector<int32_t> pages;
   };
+  const Req& req(RequestId r) const;  // throws InvalidArgument unless r is live
   int page_size_;
   std::vector<int32_t> free_;
   std::vector<Req> reqs_;
