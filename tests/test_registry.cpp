@@ -121,6 +121,7 @@ struct FaultCase {
   std::string reason;  // expected in the warning and the report
   bool canary = true;
 };
+void PrintTo(const FaultCase& c, std::ostream* os) { *os << c.fault << (c.canary ? "" : " (canary off)"); }
 
 class FaultMatrix : public ::testing::TestWithParam<FaultCase> {};
 

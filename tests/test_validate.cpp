@@ -1,0 +1,322 @@
+// Every input rule of design.md §3, through the public Runtime: the call throws InvalidArgument
+// and the message names the request (where there is one), the field, the value and what was
+// expected. A valid baseline runs first so that each test changes exactly one thing.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <functional>
+
+#include "support.h"
+
+namespace attnrt {
+namespace {
+
+using test::HostTensor;
+using ::testing::AllOf;
+using ::testing::HasSubstr;
+
+RuntimeOptions host_only() {
+  RuntimeOptions o;
+  o.plugin_path = "";
+  o.search_library_dir = false;
+  o.disable = std::vector<std::string>{};
+  o.force_backend = "";
+  return o;
+}
+
+// A small valid call of `op`; tests break one field and expect the matching message.
+struct Call {
+  Problem p;
+  BatchLayout layout;
+  HostTensor q, k, v, out, lse, sink, iq, ik, topk;
+
+  explicit Call(Op op) {
+    p.op = op;
+    p.page_size = 4;
+    p.num_q_heads = 4;
+    p.num_kv_heads = 2;
+    p.head_dim = 8;
+    p.write_lse = true;
+    p.has_sink = true;
+    p.num_index_heads = 2;
+    p.index_dim = 8;
+    p.block_size = 4;
+    p.topk = 2;
+    p.init_blocks = 1;
+    p.local_blocks = 1;
+    if (is_index(p.op)) p.write_lse = p.has_sink = false;
+    const bool dec = is_decode(op);
+    layout = BatchLayout::make(4, {dec ? 1 : 3, 1}, {9, 5}, {{5, 1, 3}, {0, 2}});
+    const int64_t T = layout.total_q();
+    std::mt19937_64 rng(7);
+    q = HostTensor(DType::f32, {T, 4, 8});
+    k = HostTensor(DType::f32, {6, 4, 2, 8});
+    v = HostTensor(DType::f32, {6, 4, 2, 8});
+    out = HostTensor(DType::f32, {T, 4, 8});
+    lse = HostTensor(DType::f32, {T, 4});
+    sink = HostTensor(DType::f32, {4});
+    iq = HostTensor(DType::f32, {T, 2, 8});
+    ik = HostTensor(DType::f32, {6, 4, 1, 8});
+    topk = HostTensor(DType::i32, {2, T, 2});
+    for (HostTensor* t : {&q, &k, &v, &sink, &iq, &ik}) test::fill_normal(*t, rng);
+    // Valid selections: block 0 for every row (always visible).
+    for (int64_t i = 0; i < topk.numel(); ++i) topk.view.ptr<int32_t>()[i] = (i % 2 == 0) ? 0 : -1;
+  }
+
+  Tensors tensors() const {
+    Tensors t;
+    if (is_index(p.op)) {
+      t.index_q = iq.view;
+      t.index_k_cache = ik.view;
+      t.topk = topk.view;
+      return t;
+    }
+    t.q = q.view;
+    t.k_cache = k.view;
+    t.v_cache = v.view;
+    t.out = out.view;
+    if (p.write_lse) t.lse = lse.view;
+    if (p.has_sink) t.sink = sink.view;
+    if (is_sparse_attend(p.op)) t.topk = topk.view;
+    return t;
+  }
+};
+
+void expect_invalid(const std::function<void()>& f, const std::vector<std::string>& parts) {
+  try {
+    f();
+    ADD_FAILURE() << "expected InvalidArgument containing '" << parts.front() << "'";
+  } catch (const InvalidArgument& e) {
+    for (const auto& s : parts) EXPECT_THAT(e.what(), HasSubstr(s));
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "expected InvalidArgument, got another error: " << e.what();
+  }
+}
+
+class Validate : public ::testing::Test {
+ protected:
+  Runtime rt{host_only()};
+  void expect_call_invalid(const Call& c, const std::vector<std::string>& parts) {
+    expect_invalid([&] { rt.execute(c.p, c.layout, c.tensors()); }, parts);
+  }
+};
+
+TEST_F(Validate, BaselinesAreValidForEveryOp) {
+  for (Op op : {Op::dense_extend, Op::dense_decode, Op::sparse_index_extend, Op::sparse_index_decode,
+                Op::sparse_attend_extend, Op::sparse_attend_decode}) {
+    Call c(op);
+    EXPECT_NO_THROW(rt.execute(c.p, c.layout, c.tensors())) << op_name(op);
+  }
+}
+
+TEST_F(Validate, ProblemFields) {
+  {
+    Call c(Op::dense_extend);
+    c.p.num_q_heads = 0;
+    expect_call_invalid(c, {"num_q_heads 0", "expected > 0"});
+  }
+  {
+    Call c(Op::dense_extend);
+    c.p.num_kv_heads = 0;
+    expect_call_invalid(c, {"num_kv_heads 0", "expected > 0"});
+  }
+  {
+    Call c(Op::dense_extend);
+    c.p.num_q_heads = 6;
+    c.p.num_kv_heads = 4;
+    expect_call_invalid(c, {"num_q_heads 6 % num_kv_heads 4", "multiple"});
+  }
+  {
+    Call c(Op::dense_decode);
+    c.p.head_dim = 1000;
+    expect_call_invalid(c, {"head_dim 1000", "expected 1..512"});
+  }
+  {
+    Call c(Op::dense_extend);
+    c.p.q_dtype = DType::i32;
+    expect_call_invalid(c, {"q_dtype i32", "f32, f16 or bf16"});
+  }
+  {
+    Call c(Op::dense_extend);
+    c.p.page_size = 0;
+    expect_call_invalid(c, {"page_size 0", "expected > 0"});
+  }
+  {
+    Call c(Op::dense_extend);
+    c.p.sm_scale = -1.0f;
+    expect_call_invalid(c, {"sm_scale -1", "expected finite >= 0"});
+  }
+  {
+    Call c(Op::sparse_index_extend);
+    c.p.topk = 0;
+    expect_call_invalid(c, {"topk 0", "expected > 0"});
+  }
+  {
+    Call c(Op::sparse_index_decode);
+    c.p.init_blocks = 2;
+    c.p.local_blocks = 1;
+    expect_call_invalid(c, {"init_blocks 2 + local_blocks 1 > topk 2", "fit in topk"});
+  }
+  {
+    Call c(Op::sparse_index_extend);
+    c.p.block_size = 0;
+    expect_call_invalid(c, {"block_size 0"});
+  }
+  {
+    Call c(Op::sparse_index_extend);
+    c.p.index_dim = 0;
+    expect_call_invalid(c, {"index_dim 0", "expected 1..512"});
+  }
+  {
+    Call c(Op::sparse_attend_extend);
+    c.p.num_index_heads = 3;
+    expect_call_invalid(c, {"num_index_heads 3 % num_kv_heads 2"});
+  }
+}
+
+TEST_F(Validate, LayoutRules) {
+  {
+    Call c(Op::dense_extend);
+    c.layout = BatchLayout::make(4, {}, {}, {});
+    expect_call_invalid(c, {"batch is empty"});
+  }
+  {
+    Call c(Op::dense_extend);
+    c.layout = BatchLayout::make(4, {3, 6}, {9, 5}, {{5, 1, 3}, {0, 2}});
+    expect_call_invalid(c, {"request 1", "q_len 6 > kv_len 5"});
+  }
+  {
+    Call c(Op::dense_extend);
+    c.layout = BatchLayout::make(4, {3, 0}, {9, 5}, {{5, 1, 3}, {0, 2}});
+    expect_call_invalid(c, {"request 1", "q_len 0", "expected >= 1"});
+  }
+  {
+    Call c(Op::dense_decode);
+    c.layout = BatchLayout::make(4, {2, 1}, {9, 5}, {{5, 1, 3}, {0, 2}});
+    expect_call_invalid(c, {"request 0", "q_len 2", "expected 1 for dense_decode"});
+  }
+  {
+    Call c(Op::dense_extend);
+    c.layout = BatchLayout::make(4, {3, 1}, {9, 5}, {{5, 1}, {0, 2}});
+    expect_call_invalid(c, {"request 0", "page list length 2 < 3", "kv_len 9", "page_size 4"});
+  }
+  {
+    Call c(Op::dense_extend);
+    c.layout = BatchLayout::make(4, {3, 1}, {9, 5}, {{5, 1, 3}, {0, -2}});
+    expect_call_invalid(c, {"request 1", "page id -2", "expected >= 0"});
+  }
+  {
+    Call c(Op::dense_extend);
+    c.layout = BatchLayout::make(4, {3, 1}, {9, 5}, {{5, 1, 3}, {0, 6}});
+    expect_call_invalid(c, {"page id 6 >= k_cache pages 6"});
+  }
+  {
+    Call c(Op::sparse_index_extend);
+    c.layout = BatchLayout::make(4, {3, 1}, {9, 5}, {{5, 1, 9}, {0, 2}});
+    expect_call_invalid(c, {"page id 9 >= index_k_cache pages 6"});
+  }
+  {
+    Call c(Op::dense_extend);
+    c.layout.page_size = 8;
+    expect_call_invalid(c, {"layout.page_size 8 != problem.page_size 4"});
+  }
+  {
+    Call c(Op::dense_extend);
+    c.layout.q_indptr[1] = 2;
+    expect_call_invalid(c, {"request 0", "q_indptr[1] - q_indptr[0] = 2", "expected q_len 3"});
+  }
+  {
+    Call c(Op::dense_extend);
+    c.layout.kv_len.pop_back();
+    expect_call_invalid(c, {"kv_len size 1", "expected 2"});
+  }
+}
+
+TEST_F(Validate, TensorRules) {
+  {
+    Call c(Op::dense_extend);
+    c.q = HostTensor(DType::bf16, {4, 4, 8});
+    expect_call_invalid(c, {"tensor q dtype bf16", "expected f32"});
+  }
+  {
+    Call c(Op::dense_extend);
+    Tensors t = c.tensors();
+    t.k_cache.device = Device::cuda(0);
+    expect_invalid([&] { rt.execute(c.p, c.layout, t); }, {"tensor k_cache device cuda:0", "expected cpu"});
+  }
+  {
+    Call c(Op::dense_extend);
+    c.out = HostTensor(DType::f32, {4, 4, 16});
+    expect_call_invalid(c, {"tensor out shape [4, 4, 16] dim 2 is 16", "expected 8"});
+  }
+  {
+    Call c(Op::dense_extend);
+    c.v = HostTensor(DType::f32, {5, 4, 2, 8});
+    expect_call_invalid(c, {"tensor v_cache pages 5", "expected 6"});
+  }
+  {
+    Call c(Op::dense_extend);
+    Tensors t = c.tensors();
+    t.q = TensorView{};
+    expect_invalid([&] { rt.execute(c.p, c.layout, t); }, {"tensor q is missing", "[4, 4, 8]"});
+  }
+  {
+    Call c(Op::dense_extend);
+    Tensors t = c.tensors();
+    t.out = t.q;
+    expect_invalid([&] { rt.execute(c.p, c.layout, t); }, {"tensor out aliases an input"});
+  }
+  {
+    Call c(Op::dense_extend);
+    Tensors t = c.tensors();
+    c.p.write_lse = false;
+    expect_invalid([&] { rt.execute(c.p, c.layout, t); }, {"tensor lse is given but write_lse is false"});
+  }
+  {
+    Call c(Op::dense_extend);
+    Tensors t = c.tensors();
+    t.sink = TensorView{};
+    expect_invalid([&] { rt.execute(c.p, c.layout, t); }, {"tensor sink is missing"});
+  }
+  {
+    Call c(Op::dense_extend);
+    Tensors t = c.tensors();
+    t.q.strides[2] = 2;
+    expect_invalid([&] { rt.execute(c.p, c.layout, t); }, {"tensor q last-dim stride 2", "expected 1"});
+  }
+  {
+    Call c(Op::sparse_index_decode);
+    c.topk = HostTensor(DType::f32, {2, 2, 2});
+    expect_call_invalid(c, {"tensor topk dtype f32", "expected i32"});
+  }
+}
+
+TEST_F(Validate, SparseSelectionRows) {
+  // Row 0 of request 0 is the token at position 6: blocks 0 and 1 are visible.
+  auto with = [](int32_t a, int32_t b) {
+    Call c(Op::sparse_attend_extend);
+    int32_t* s = c.topk.view.ptr<int32_t>();
+    s[0] = a;
+    s[1] = b;
+    return c;
+  };
+  expect_call_invalid(with(1, 0), {"request 0", "topk[0, 0, 1] = 0", "not ascending and unique"});
+  expect_call_invalid(with(0, 0), {"topk[0, 0, 1] = 0", "not ascending and unique"});
+  expect_call_invalid(with(0, 2), {"topk[0, 0, 1] = 2", "out of range", "[0, 2)"});
+  expect_call_invalid(with(-1, 1), {"topk[0, 0, 1] = 1", "after a -1"});
+  expect_call_invalid(with(-7, -1), {"topk[0, 0, 0] = -7", "out of range"});
+  Call ok = with(0, 1);
+  EXPECT_NO_THROW(rt.execute(ok.p, ok.layout, ok.tensors()));
+}
+
+TEST_F(Validate, BadInputLeavesOutputsUntouched) {
+  Call c(Op::dense_extend);
+  test::poison(c.out);
+  c.layout = BatchLayout::make(4, {3, 6}, {9, 5}, {{5, 1, 3}, {0, 2}});
+  EXPECT_THROW(rt.execute(c.p, c.layout, c.tensors()), InvalidArgument);
+  for (int64_t i = 0; i < c.out.numel(); ++i) ASSERT_TRUE(std::isnan(c.out.get(i))) << i;
+}
+
+}  // namespace
+}  // namespace attnrt
