@@ -23,6 +23,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "sparse_kernels.h"  // sparse ops (sparse_*.cu)
+
 namespace {
 
 thread_local char g_error[512] = "";
@@ -376,6 +378,8 @@ int32_t p_probe(const attnrt_problem* p) {
   if (dev.major < 8)
     return fail(ATTNRT_UNAVAILABLE, "compute capability %d.%d < 8.0 (needs sm_80 or newer)",
                 dev.major, dev.minor);
+  if (attnrt_cuda_sparse::is_sparse_op(p->op))
+    return attnrt_cuda_sparse::probe(p, dev.major, g_error, sizeof g_error);
   if (p->op != ATTNRT_OP_DENSE_EXTEND && p->op != ATTNRT_OP_DENSE_DECODE)
     return fail(ATTNRT_UNAVAILABLE, "op %d not implemented on cuda (dense_extend, dense_decode only)",
                 p->op);
@@ -446,6 +450,9 @@ int32_t plan_impl(const attnrt_problem* p, const attnrt_layout* L, Plan* pl) {
 int32_t p_plan(const attnrt_problem* p, const attnrt_layout* L, attnrt_plan* out) {
   try {
     if (int32_t s = p_probe(p); s != ATTNRT_OK) return s;
+    if (attnrt_cuda_sparse::is_sparse_op(p->op))
+      return attnrt_cuda_sparse::plan(p, L, g_devices[p->device.index].sms, out, g_error,
+                                      sizeof g_error);
     Plan* pl = new (std::nothrow) Plan{};
     if (!pl) return fail(ATTNRT_INTERNAL, "out of host memory");
     if (int32_t s = plan_impl(p, L, pl); s != ATTNRT_OK) {
@@ -515,6 +522,9 @@ int32_t launch_d(const Plan& pl, const attnrt_tensors* t, cudaStream_t st) {
 int32_t p_run(attnrt_plan plan, const attnrt_tensors* t, void* stream) {
   try {
     if (!plan) return fail(ATTNRT_INVALID, "null plan");
+    // Sparse and dense plans both start with their attnrt_problem.
+    if (attnrt_cuda_sparse::is_sparse_op(reinterpret_cast<const attnrt_problem*>(plan)->op))
+      return attnrt_cuda_sparse::run(plan, t, stream, g_error, sizeof g_error);
     const Plan& pl = *reinterpret_cast<const Plan*>(plan);
     const attnrt_tensor* inner[] = {&t->q, &t->out};
     for (const attnrt_tensor* x : inner)
@@ -542,7 +552,11 @@ int32_t p_run(attnrt_plan plan, const attnrt_tensors* t, void* stream) {
   }
 }
 
-void p_destroy_plan(attnrt_plan plan) { free_plan(reinterpret_cast<Plan*>(plan)); }
+void p_destroy_plan(attnrt_plan plan) {
+  if (plan && attnrt_cuda_sparse::is_sparse_op(reinterpret_cast<const attnrt_problem*>(plan)->op))
+    return attnrt_cuda_sparse::destroy(plan);
+  free_plan(reinterpret_cast<Plan*>(plan));
+}
 
 const char* p_last_error() { return g_error; }
 
