@@ -1,19 +1,32 @@
 // The cpu backend: tiled online-softmax (flash) attention on host memory.
 //
-// Work items are (request, kv head, query token); each item processes all G query heads of its
-// KV group together against K/V tiles of up to kTile keys, so every K/V row is converted to f32
-// and read once per group, never once per head. The paged cache is read through the page table
-// tile by tile. Sparse attend visits only the tokens of the selected blocks (union over the R
-// index heads of the group). The indexer scores blocks with a running max (or lse) and picks
-// top-k with nth_element, then sorts the K ids ascending.
+// Layout of the work. A work item is a block of query rows that share their keys: for dense
+// extend, QT consecutive query tokens x all G query heads of one KV group (QT*G <= 64 rows);
+// for sparse attend and decode, one token x G heads; for the indexer, QT tokens x the index
+// heads (they all score the single shared index-key head). Each item holds its queries
+// transposed, qT[d][m], and walks its keys in tiles of kKeyTile keys: the tile's K and V rows
+// are converted to f32 once (page run by page run, no per-token gather in the inner loops),
+// then
+//   sT[n][m] = sum_d K[n][d] * qT[d][m]        (broadcast K, 16-wide vectors over rows m)
+//   online softmax per row, vectorised over m  (polynomial exp2, no horizontal reductions)
+//   oT[d][m] += sum_n V[n][d] * pT[n][m]        (broadcast V, vectors over m)
+// so both products are register-blocked GEMM-like loops and every K/V row is read once per item.
+// Scores are kept in log2 units (q pre-scaled by sm_scale*log2(e)).
 //
-// Threads: a small std::thread pool owned by the backend (not OpenMP: TSan + libgomp gives false
-// positives). parallel_for is serialised by a mutex, so concurrent callers are safe; scratch is
-// per work item (stack / per-call vectors), so no mutable state is shared between calls.
-// Determinism: every output element is computed by exactly one work item in a fixed order, so
-// results do not depend on the thread count or scheduling.
+// Decode with few requests and long contexts is split over the keys (split-KV): the split is
+// chosen in plan and reused by every run of the plan; each split writes (max, sum, unnormalised
+// o) to the workspace and a merge pass combines them in a fixed order. An empty split has
+// max = -inf, sum = 0, o = 0 and contributes nothing (never NaN).
 //
-// Limits (reported by probe): host device only; head_dim and index_dim <= 256.
+// Vector code: GCC vector extensions (16 x f32). The functions that run them carry
+// target_clones (x86-64-v4 and baseline): the loader picks the AVX-512 version at run time on
+// CPUs that have it, so the binary is not tied to the build machine's instruction set.
+//
+// Threads: a small std::thread pool owned by the backend; scratch is per worker, taken from the
+// Runtime's workspace for the call. Determinism: every output element is computed by exactly one
+// work item (or one merge) in a fixed order, so results do not depend on scheduling.
+//
+// Limits (reported by probe): host device only; head_dim and index_dim <= 256; G <= 64.
 #include "backends/cpu/cpu_backend.h"
 
 #include <algorithm>
@@ -22,6 +35,7 @@
 #include <condition_variable>
 #include <cstring>
 #include <functional>
+#include <immintrin.h>
 #include <limits>
 #include <mutex>
 #include <string>
@@ -32,15 +46,66 @@ namespace attnrt {
 namespace {
 
 constexpr int kMaxDim = 256;
-constexpr int kTile = 32;     // keys per tile
-constexpr int kMaxG = 64;     // query heads per group handled on the stack
+constexpr int kKeyTile = 64;  // keys per tile (a multiple of 16)
+constexpr int kMaxRows = 64;  // query rows per work item (4 vectors of 16)
+constexpr int kMaxG = 64;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+constexpr int32_t kMaskedPos = std::numeric_limits<int32_t>::max();  // padded key: never visible
+// Below this many keys per split, split-KV costs more in merging than it gains.
+constexpr int64_t kMinSplitKeys = 512;
+
+#define ATTNRT_AI __attribute__((always_inline)) inline
+#define ATTNRT_CLONES __attribute__((target_clones("arch=x86-64-v4", "default")))
+
+typedef float vf __attribute__((vector_size(64)));
+typedef int32_t vi __attribute__((vector_size(64)));
+typedef uint16_t vu16 __attribute__((vector_size(32)));
+constexpr int W = 16;
+
+ATTNRT_AI vf loadv(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+ATTNRT_AI void storev(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+ATTNRT_AI vf bcast(float x) { return vf{} + x; }
+ATTNRT_AI vi bcasti(int32_t x) { return vi{} + x; }
+ATTNRT_AI vf vmax(vf a, vf b) { return a > b ? a : b; }
+
+// 2^x for x <= 126, elementwise; exactly 0 for x < -126 (and for -inf). Round-to-nearest split
+// x = n + f, |f| <= 1/2, degree-6 Taylor polynomial of 2^f (error ~1 ulp), exponent by integer
+// add. A fixed sequence of operations: deterministic.
+ATTNRT_AI vf exp2v(vf x) {
+  const vi tiny = x < bcast(-126.0f);
+  x = tiny ? bcast(-126.0f) : x;
+  x = x > bcast(126.0f) ? bcast(126.0f) : x;
+  const vf magic = bcast(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
+  const vf t = x + magic;
+  const vf n = t - magic;
+  const vf f = x - n;
+  vf p = bcast(1.540353039338e-4f);
+  p = p * f + 1.333355814643e-3f;
+  p = p * f + 9.618129107629e-3f;
+  p = p * f + 5.550410866482e-2f;
+  p = p * f + 2.402265069591e-1f;
+  p = p * f + 6.931471805599e-1f;
+  p = p * f + 1.0f;
+  vi ti;
+  std::memcpy(&ti, &t, sizeof ti);
+  const vi e = (ti - 0x4B400000 + 127) << 23;
+  vf scale;
+  std::memcpy(&scale, &e, sizeof scale);
+  const vf r = p * scale;
+  return tiny ? vf{} : r;
+}
 
 class ThreadPool {
  public:
   explicit ThreadPool(int n) {
     if (n <= 0) n = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-    for (int i = 1; i < n; ++i) workers_.emplace_back([this] { loop(); });
+    for (int i = 1; i < n; ++i) workers_.emplace_back([this, i] { loop(i); });
     size_ = n;
   }
   ~ThreadPool() {
@@ -52,14 +117,15 @@ class ThreadPool {
     for (auto& t : workers_) t.join();
   }
   int size() const { return size_; }
-  // Runs fn(i) for i in [0, n) on the pool; the caller participates. Serialised across callers.
-  void parallel_for(int64_t n, const std::function<void(int64_t)>& fn) {
+  // Runs fn(i, worker) for i in [0, n) on the pool; worker in [0, size()) identifies the thread
+  // (for per-worker scratch). The caller participates as worker 0. Serialised across callers.
+  void parallel_for(int64_t n, const std::function<void(int64_t, int)>& fn) {
     if (n <= 0) return;
+    std::lock_guard<std::mutex> call_lock(call_mu_);
     if (workers_.empty() || n == 1) {
-      for (int64_t i = 0; i < n; ++i) fn(i);
+      for (int64_t i = 0; i < n; ++i) fn(i, 0);
       return;
     }
-    std::lock_guard<std::mutex> call_lock(call_mu_);
     {
       std::lock_guard<std::mutex> lk(mu_);
       fn_ = &fn;
@@ -69,21 +135,21 @@ class ThreadPool {
       ++gen_;
     }
     cv_.notify_all();
-    work();
+    work(0);
     std::unique_lock<std::mutex> lk(mu_);
     done_cv_.wait(lk, [this] { return active_ == 0; });
     fn_ = nullptr;
   }
 
  private:
-  void work() {
+  void work(int worker) {
     for (;;) {
       int64_t i = next_.fetch_add(1);
       if (i >= n_) break;
-      (*fn_)(i);
+      (*fn_)(i, worker);
     }
   }
-  void loop() {
+  void loop(int worker) {
     uint64_t seen = 0;
     for (;;) {
       {
@@ -92,7 +158,7 @@ class ThreadPool {
         if (stop_) return;
         seen = gen_;
       }
-      work();
+      work(worker);
       {
         std::lock_guard<std::mutex> lk(mu_);
         if (--active_ == 0) done_cv_.notify_all();
@@ -103,7 +169,7 @@ class ThreadPool {
   int size_ = 1;
   std::mutex call_mu_, mu_;
   std::condition_variable cv_, done_cv_;
-  const std::function<void(int64_t)>* fn_ = nullptr;
+  const std::function<void(int64_t, int)>* fn_ = nullptr;
   int64_t n_ = 0;
   std::atomic<int64_t> next_{0};
   int active_ = 0;
@@ -111,82 +177,321 @@ class ThreadPool {
   bool stop_ = false;
 };
 
-// Converts n elements of dtype t at p to f32.
-inline void to_f32(const void* p, DType t, int n, float* dst) {
+// ---- conversion of cache rows to f32 -------------------------------------------------------
+
+__attribute__((target("avx,f16c"))) void f16_rows_f16c(const uint16_t* src, int64_t stride,
+                                                      int rows, int D, float* dst,
+                                                      int dst_stride) {
+  for (int r = 0; r < rows; ++r) {
+    const uint16_t* s = src + r * stride;
+    float* o = dst + static_cast<int64_t>(r) * dst_stride;
+    int x = 0;
+    for (; x + 8 <= D; x += 8)
+      _mm256_storeu_ps(o + x, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + x))));
+    for (; x < D; ++x) o[x] = f16_to_f32(s[x]);
+  }
+}
+
+bool has_f16c() {
+  static const bool yes = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("f16c") != 0;
+  }();
+  return yes;
+}
+
+// rows consecutive cache rows (element stride `stride` between rows) -> dst rows of dst_stride.
+ATTNRT_CLONES void convert_rows(const void* src, DType t, int64_t stride, int rows, int D,
+                                float* dst, int dst_stride) {
   if (t == DType::f32) {
-    std::memcpy(dst, p, sizeof(float) * n);
+    const float* s = static_cast<const float*>(src);
+    for (int r = 0; r < rows; ++r)
+      std::memcpy(dst + static_cast<int64_t>(r) * dst_stride, s + r * stride, sizeof(float) * D);
   } else if (t == DType::bf16) {
-    const uint16_t* s = static_cast<const uint16_t*>(p);
-    for (int i = 0; i < n; ++i) {
-      uint32_t u = static_cast<uint32_t>(s[i]) << 16;
-      std::memcpy(&dst[i], &u, 4);
+    const uint16_t* s0 = static_cast<const uint16_t*>(src);
+    for (int r = 0; r < rows; ++r) {
+      const uint16_t* s = s0 + r * stride;
+      float* o = dst + static_cast<int64_t>(r) * dst_stride;
+      int x = 0;
+      for (; x + 16 <= D; x += 16) {
+        vu16 h;
+        std::memcpy(&h, s + x, sizeof h);
+        const vi w = __builtin_convertvector(h, vi) << 16;
+        std::memcpy(o + x, &w, sizeof w);
+      }
+      for (; x < D; ++x) {
+        const uint32_t u = static_cast<uint32_t>(s[x]) << 16;
+        std::memcpy(o + x, &u, 4);
+      }
     }
+  } else if (has_f16c()) {
+    f16_rows_f16c(static_cast<const uint16_t*>(src), stride, rows, D, dst, dst_stride);
   } else {
-    const uint16_t* s = static_cast<const uint16_t*>(p);
-    for (int i = 0; i < n; ++i) dst[i] = f16_to_f32(s[i]);
+    const uint16_t* s0 = static_cast<const uint16_t*>(src);
+    for (int r = 0; r < rows; ++r)
+      for (int x = 0; x < D; ++x)
+        dst[static_cast<int64_t>(r) * dst_stride + x] = f16_to_f32(s0[r * stride + x]);
   }
 }
 
-inline const char* row_ptr(const TensorView& t, int64_t elem_off) {
-  return static_cast<const char*>(t.data) + elem_off * static_cast<int64_t>(dtype_size(t.dtype));
-}
+// ---- the tile kernels ------------------------------------------------------------------------
 
-// Dot product with 16 independent partial sums in a fixed order: vectorises without
-// -ffast-math (no reassociation needed) and stays deterministic.
-__attribute__((always_inline)) inline float dot16(const float* a, const float* b, int n) {
-  float p[16] = {};
-  int x = 0;
-  for (; x + 16 <= n; x += 16)
-    for (int i = 0; i < 16; ++i) p[i] += a[x + i] * b[x + i];
-  float d = 0.f;
-  for (; x < n; ++x) d += a[x] * b[x];
-  for (int i = 0; i < 16; ++i) d += p[i];
-  return d;
-}
+// Row blocking of the two products: KB keys (or DB dims) x MV vectors of rows = 12-16 accumulators.
+template <int MV>
+constexpr int kBlock = MV == 1 ? 16 : MV == 2 ? 8 : 4;
 
-// One flash tile: scores of G heads vs n keys, online softmax update. Compiled for AVX-512 and
-// baseline; the loader picks at run time (no -march tie to the build machine).
-__attribute__((target_clones("arch=x86-64-v4", "default"))) void flash_tile(
-    int G, int D, int n, const float* q /*[G][D], pre-scaled*/, const float* k /*[n][D]*/,
-    const float* v /*[n][D]*/, float* m /*[G]*/, float* l /*[G]*/, float* acc /*[G][D]*/) {
-  float s[kTile];
-  for (int h = 0; h < G; ++h) {
-    const float* qh = q + h * D;
-    float mx = m[h];
-    for (int j = 0; j < n; ++j) {
-      const float* kj = k + j * D;
-      const float d = dot16(qh, kj, D);
-      s[j] = d;
-      mx = std::max(mx, d);
+// sT[n][m] = sum_d k[n][d] * qT[d][m] for n < npad (a multiple of 16), rows 16*MV.
+template <int MV>
+ATTNRT_AI void qk_tile(const float* qT, const float* k, int D, int npad, float* sT) {
+  constexpr int KB = kBlock<MV>;
+  constexpr int Mp = 16 * MV;
+  for (int n0 = 0; n0 < npad; n0 += KB) {
+    vf acc[KB][MV];
+    for (int i = 0; i < KB; ++i)
+      for (int v = 0; v < MV; ++v) acc[i][v] = vf{};
+    const float* kr = k + static_cast<int64_t>(n0) * D;
+    for (int d = 0; d < D; ++d) {
+      vf q[MV];
+      for (int v = 0; v < MV; ++v) q[v] = loadv(qT + d * Mp + v * W);
+      for (int i = 0; i < KB; ++i) {
+        const vf kv = bcast(kr[i * D + d]);
+        for (int v = 0; v < MV; ++v) acc[i][v] += kv * q[v];
+      }
     }
-    float corr = (m[h] == kNegInf) ? 0.f : std::exp(m[h] - mx);
-    float* a = acc + h * D;
-    for (int x = 0; x < D; ++x) a[x] *= corr;
-    float sum = 0.f;
-    for (int j = 0; j < n; ++j) {
-      float pj = std::exp(s[j] - mx);
-      sum += pj;
-      const float* vj = v + j * D;
-      for (int x = 0; x < D; ++x) a[x] += pj * vj[x];
-    }
-    l[h] = l[h] * corr + sum;
-    m[h] = mx;
+    for (int i = 0; i < KB; ++i)
+      for (int v = 0; v < MV; ++v) storev(sT + (n0 + i) * Mp + v * W, acc[i][v]);
   }
 }
 
-__attribute__((target_clones("arch=x86-64-v4", "default"))) float dot_f32(const float* a,
-                                                                          const float* b, int n) {
-  return dot16(a, b, n);
+// oT[d][m] = oT[d][m] * corr[m] + sum_{n < npad} v[n][d] * pT[n][m].
+template <int MV, int DB>
+ATTNRT_AI void pv_block(float* oT, const float* v, int D, int d0, int npad, const float* pT,
+                        const vf* corr) {
+  constexpr int Mp = 16 * MV;
+  vf acc[DB][MV];
+  for (int i = 0; i < DB; ++i)
+    for (int u = 0; u < MV; ++u) acc[i][u] = loadv(oT + (d0 + i) * Mp + u * W) * corr[u];
+  for (int n = 0; n < npad; ++n) {
+    vf p[MV];
+    for (int u = 0; u < MV; ++u) p[u] = loadv(pT + n * Mp + u * W);
+    const float* vr = v + static_cast<int64_t>(n) * D + d0;
+    for (int i = 0; i < DB; ++i) {
+      const vf vv = bcast(vr[i]);
+      for (int u = 0; u < MV; ++u) acc[i][u] += vv * p[u];
+    }
+  }
+  for (int i = 0; i < DB; ++i)
+    for (int u = 0; u < MV; ++u) storev(oT + (d0 + i) * Mp + u * W, acc[i][u]);
 }
+
+struct TileState {
+  float* qT;            // [D][Mp], pre-scaled by sm_scale * log2(e)
+  float* oT;            // [D][Mp], unnormalised output
+  float* m;             // [Mp] running max (log2 units)
+  float* l;             // [Mp] running sum
+  const int32_t* rowpos;  // [Mp] absolute position of each row (causal bound)
+  int D;
+};
+
+// One flash step of an attention item over a tile of npad keys (k, v: [npad][D] f32;
+// jpos[n]: absolute key position, kMaskedPos for padding).
+template <int MV>
+ATTNRT_AI void attend_tile_impl(const TileState& s, const float* k, const float* v,
+                                const int32_t* jpos, int npad, float* sT) {
+  constexpr int Mp = 16 * MV;
+  const int D = s.D;
+  qk_tile<MV>(s.qT, k, D, npad, sT);
+  vi rp[MV];
+  vf tmax[MV];
+  for (int u = 0; u < MV; ++u) {
+    std::memcpy(&rp[u], s.rowpos + u * W, sizeof(vi));
+    tmax[u] = bcast(kNegInf);
+  }
+  const vf ninf = bcast(kNegInf);
+  for (int n = 0; n < npad; ++n) {
+    const vi jp = bcasti(jpos[n]);
+    for (int u = 0; u < MV; ++u) {
+      vf x = loadv(sT + n * Mp + u * W);
+      x = jp > rp[u] ? ninf : x;
+      storev(sT + n * Mp + u * W, x);
+      tmax[u] = vmax(tmax[u], x);
+    }
+  }
+  vf shift[MV], corr[MV], lsum[MV];
+  for (int u = 0; u < MV; ++u) {
+    const vf mold = loadv(s.m + u * W);
+    const vf mnew = vmax(mold, tmax[u]);
+    shift[u] = mnew == ninf ? vf{} : mnew;
+    corr[u] = exp2v(mold - shift[u]);
+    lsum[u] = vf{};
+    storev(s.m + u * W, mnew);
+  }
+  for (int n = 0; n < npad; ++n)
+    for (int u = 0; u < MV; ++u) {
+      const vf p = exp2v(loadv(sT + n * Mp + u * W) - shift[u]);
+      storev(sT + n * Mp + u * W, p);
+      lsum[u] += p;
+    }
+  for (int u = 0; u < MV; ++u) storev(s.l + u * W, loadv(s.l + u * W) * corr[u] + lsum[u]);
+  constexpr int DB = kBlock<MV>;
+  int d0 = 0;
+  for (; d0 + DB <= D; d0 += DB) pv_block<MV, DB>(s.oT, v, D, d0, npad, sT, corr);
+  for (; d0 < D; ++d0) pv_block<MV, 1>(s.oT, v, D, d0, npad, sT, corr);
+}
+
+ATTNRT_CLONES void attend_tile(int MV, const TileState& s, const float* k, const float* v,
+                               const int32_t* jpos, int npad, float* sT) {
+  switch (MV) {
+    case 1: attend_tile_impl<1>(s, k, v, jpos, npad, sT); break;
+    case 2: attend_tile_impl<2>(s, k, v, jpos, npad, sT); break;
+    case 3: attend_tile_impl<3>(s, k, v, jpos, npad, sT); break;
+    default: attend_tile_impl<4>(s, k, v, jpos, npad, sT); break;
+  }
+}
+
+// Indexer step over a tile: scores (natural-log units, q pre-scaled by index_scale) reduced
+// into per-block statistics bm[c][m] (max) and, for lse, bsum[c][m] relative to bm.
+template <int MV>
+ATTNRT_AI void index_tile_impl(const float* qT, int D, const int32_t* rowpos, const float* k,
+                               const int32_t* jpos, int npad, int nvalid, float* sT, int B,
+                               bool lse, float* bm, float* bsum) {
+  constexpr int Mp = 16 * MV;
+  qk_tile<MV>(qT, k, D, npad, sT);
+  vi rp[MV];
+  for (int u = 0; u < MV; ++u) std::memcpy(&rp[u], rowpos + u * W, sizeof(vi));
+  const vf ninf = bcast(kNegInf);
+  for (int n = 0; n < nvalid; ++n) {
+    const vi jp = bcasti(jpos[n]);
+    for (int u = 0; u < MV; ++u) {
+      vf x = loadv(sT + n * Mp + u * W);
+      storev(sT + n * Mp + u * W, jp > rp[u] ? ninf : x);
+    }
+  }
+  // Keys of a tile are consecutive positions: walk block segments.
+  for (int n0 = 0; n0 < nvalid;) {
+    const int c = jpos[n0] / B;
+    int n1 = n0 + 1;
+    while (n1 < nvalid && jpos[n1] / B == c) ++n1;
+    for (int u = 0; u < MV; ++u) {
+      float* bmc = bm + static_cast<int64_t>(c) * Mp + u * W;
+      vf segmax = ninf;
+      for (int n = n0; n < n1; ++n) segmax = vmax(segmax, loadv(sT + n * Mp + u * W));
+      const vf mold = loadv(bmc);
+      const vf mnew = vmax(mold, segmax);
+      storev(bmc, mnew);
+      if (lse) {
+        float* bsc = bsum + static_cast<int64_t>(c) * Mp + u * W;
+        const vf shift = mnew == ninf ? vf{} : mnew;
+        vf acc = loadv(bsc) * exp2v((mold - shift) * kLog2e);
+        for (int n = n0; n < n1; ++n) acc += exp2v((loadv(sT + n * Mp + u * W) - shift) * kLog2e);
+        storev(bsc, acc);
+      }
+    }
+    n0 = n1;
+  }
+}
+
+ATTNRT_CLONES void index_tile(int MV, const float* qT, int D, const int32_t* rowpos, const float* k,
+                              const int32_t* jpos, int npad, int nvalid, float* sT, int B, bool lse,
+                              float* bm, float* bsum) {
+  switch (MV) {
+    case 1: index_tile_impl<1>(qT, D, rowpos, k, jpos, npad, nvalid, sT, B, lse, bm, bsum); break;
+    case 2: index_tile_impl<2>(qT, D, rowpos, k, jpos, npad, nvalid, sT, B, lse, bm, bsum); break;
+    case 3: index_tile_impl<3>(qT, D, rowpos, k, jpos, npad, nvalid, sT, B, lse, bm, bsum); break;
+    default: index_tile_impl<4>(qT, D, rowpos, k, jpos, npad, nvalid, sT, B, lse, bm, bsum); break;
+  }
+}
+
+// ---- plan --------------------------------------------------------------------------------------
+
+struct Item {
+  int b = 0;        // request
+  int g = 0;        // kv head (attend) or first index head (index)
+  int nheads = 0;   // index heads in this item (index ops)
+  int64_t row0 = 0;  // first packed query row
+  int nrows = 0;     // query tokens
+  int split = 0, nsplit = 1;
+  int64_t partial = -1;  // partial-result slot (split decode), -1: writes the output directly
+  int64_t cost = 0;      // estimated keys x rows, for ordering
+};
+
+struct Merge {
+  int b, g;
+  int64_t row, first;
+  int n;
+};
 
 struct CpuPlan : BackendPlan {
   uint64_t fingerprint = 0;
+  uint64_t problem_signature = 0;
+  std::vector<Item> items;   // in processing order (most expensive first)
+  std::vector<Merge> merges;
+  int rows_per_item = 1;     // M = tokens x heads per item
+  int MV = 1;                // vectors of 16 rows
+  int max_blocks = 0;        // index: blocks of the longest request
+  size_t scratch_floats = 0;  // per worker
+  int64_t num_partials = 0;
+  size_t partial_floats = 0;  // per partial slot
 };
 
-// Token j of request b: element offset of (page row, head h, 0) in a cache view.
-inline int64_t cache_off(const TensorView& c, const BatchLayout& L, int b, int64_t j, int h) {
-  int64_t page = L.page_ids[L.page_indptr[b] + j / L.page_size];
-  return page * c.strides[0] + (j % L.page_size) * c.strides[1] + h * c.strides[2];
+inline size_t round16(size_t n) { return (n + 15) / 16 * 16; }
+
+inline const char* elem_ptr(const TensorView& t, int64_t elem_off) {
+  return static_cast<const char*>(t.data) + elem_off * static_cast<int64_t>(dtype_size(t.dtype));
+}
+
+// Tile of keys from a list of [begin, end) position segments of one request, read page run by
+// page run.
+struct KeyCursor {
+  const std::pair<int64_t, int64_t>* seg;
+  int nseg;
+  int si = 0;
+  int64_t j = 0;
+  KeyCursor(const std::pair<int64_t, int64_t>* s, int n) : seg(s), nseg(n) {
+    while (si < nseg && seg[si].first >= seg[si].second) ++si;
+    if (si < nseg) j = seg[si].first;
+  }
+  bool done() const { return si >= nseg; }
+};
+
+// Fills up to kKeyTile keys: K (and V when vt) rows as f32, jpos; pads to a multiple of 16 with
+// zero rows at kMaskedPos. Returns the number of valid keys; *npad gets the padded count.
+int fill_tile(KeyCursor& cur, const TensorView& kc, const TensorView* vc, DType dt,
+              const BatchLayout& L, int b, int g, int D, float* kt, float* vt, int32_t* jpos,
+              int* npad) {
+  int n = 0;
+  const int P = L.page_size;
+  const int32_t* pages = L.page_ids.data() + L.page_indptr[b];
+  while (n < kKeyTile && !cur.done()) {
+    const int64_t end = cur.seg[cur.si].second;
+    const int64_t in_page = cur.j % P;
+    const int run = static_cast<int>(
+        std::min<int64_t>({end - cur.j, kKeyTile - n, P - in_page}));
+    const int64_t page = pages[cur.j / P];
+    const int64_t koff = page * kc.strides[0] + in_page * kc.strides[1] + g * kc.strides[2];
+    convert_rows(elem_ptr(kc, koff), dt, kc.strides[1], run, D, kt + static_cast<int64_t>(n) * D, D);
+    if (vt) {
+      const int64_t voff = page * vc->strides[0] + in_page * vc->strides[1] + g * vc->strides[2];
+      convert_rows(elem_ptr(*vc, voff), dt, vc->strides[1], run, D,
+                   vt + static_cast<int64_t>(n) * D, D);
+    }
+    for (int i = 0; i < run; ++i) jpos[n + i] = static_cast<int32_t>(cur.j + i);
+    n += run;
+    cur.j += run;
+    if (cur.j >= end) {
+      ++cur.si;
+      while (cur.si < cur.nseg && cur.seg[cur.si].first >= cur.seg[cur.si].second) ++cur.si;
+      if (cur.si < cur.nseg) cur.j = cur.seg[cur.si].first;
+    }
+  }
+  const int np = (n + 15) / 16 * 16;
+  for (int i = n; i < np; ++i) {
+    jpos[i] = kMaskedPos;
+    std::memset(kt + static_cast<int64_t>(i) * D, 0, sizeof(float) * D);
+    if (vt) std::memset(vt + static_cast<int64_t>(i) * D, 0, sizeof(float) * D);
+  }
+  *npad = np;
+  return n;
 }
 
 class CpuBackend final : public Backend {
@@ -211,170 +516,346 @@ class CpuBackend final : public Backend {
     return Availability::yes();
   }
 
-  std::unique_ptr<BackendPlan> plan(const Problem&, const BatchLayout& layout,
-                                    Workspace&) override {
+  std::unique_ptr<BackendPlan> plan(const Problem& p, const BatchLayout& L, Workspace&) override {
     auto pl = std::make_unique<CpuPlan>();
-    pl->fingerprint = layout.fingerprint();
+    pl->fingerprint = L.fingerprint();
+    pl->problem_signature = p.signature();
+    if (is_index(p.op))
+      plan_index(p, L, *pl);
+    else
+      plan_attend(p, L, *pl);
+    // Most expensive items first: better balance under dynamic scheduling.
+    std::stable_sort(pl->items.begin(), pl->items.end(),
+                     [](const Item& a, const Item& b) { return a.cost > b.cost; });
     return pl;
   }
 
   void run(const BackendPlan& plan, const Problem& p, const BatchLayout& L, const Tensors& t,
-           Workspace&) override {
+           Workspace& ws) override {
     const auto* cp = dynamic_cast<const CpuPlan*>(&plan);
-    if (!cp || cp->fingerprint != L.fingerprint())
-      throw InvalidArgument("cpu backend: plan was built for a different batch layout");
-    if (is_index(p.op))
-      run_index(p, L, t);
-    else
-      run_attend(p, L, t);
+    if (!cp || cp->fingerprint != L.fingerprint() || cp->problem_signature != p.signature())
+      throw InvalidArgument("cpu backend: plan was built for a different problem or batch layout");
+    const size_t per_worker = round16(cp->scratch_floats);
+    const size_t total =
+        per_worker * pool_.size() + round16(cp->partial_floats) * cp->num_partials;
+    Workspace::Lease lease = ws.acquire(total * sizeof(float));
+    float* scratch = lease.as<float>();
+    float* partials = scratch + per_worker * pool_.size();
+    if (is_index(p.op)) {
+      pool_.parallel_for(static_cast<int64_t>(cp->items.size()), [&](int64_t i, int w) {
+        index_item(*cp, p, L, t, cp->items[i], scratch + per_worker * w);
+      });
+      return;
+    }
+    pool_.parallel_for(static_cast<int64_t>(cp->items.size()), [&](int64_t i, int w) {
+      attend_item(*cp, p, L, t, cp->items[i], scratch + per_worker * w, partials);
+    });
+    if (!cp->merges.empty())
+      pool_.parallel_for(static_cast<int64_t>(cp->merges.size()), [&](int64_t i, int) {
+        merge_splits(*cp, p, t, cp->merges[i], partials);
+      });
   }
 
  private:
-  void run_attend(const Problem& p, const BatchLayout& L, const Tensors& t) {
-    const int Hq = p.num_q_heads, Hkv = p.num_kv_heads, D = p.head_dim, G = Hq / Hkv;
+  void plan_attend(const Problem& p, const BatchLayout& L, CpuPlan& pl) const {
+    const int Hkv = p.num_kv_heads, G = p.num_q_heads / Hkv, D = p.head_dim;
     const bool sparse = is_sparse_attend(p.op);
-    const int R = sparse ? p.num_index_heads / Hkv : 0;
-    const int K = sparse ? p.topk : 0;
-    const float scale = p.effective_sm_scale();
-    const int64_t T = L.total_q();
-    // Work items: (row, kv head). Row -> request via q_indptr.
-    std::vector<int> row_req(T);
-    for (int b = 0; b < L.num_requests(); ++b)
-      for (int64_t r = L.q_indptr[b]; r < L.q_indptr[b + 1]; ++r) row_req[r] = b;
-    pool_.parallel_for(T * Hkv, [&](int64_t item) {
-      const int64_t r = item / Hkv;
-      const int g = static_cast<int>(item % Hkv);
-      const int b = row_req[r];
-      const int64_t pos = L.kv_len[b] - L.q_len[b] + (r - L.q_indptr[b]);
-      std::vector<float> buf(static_cast<size_t>(G) * D * 2 + 2 * kTile * D + 2 * G);
-      float* q = buf.data();
-      float* acc = q + G * D;
-      float* kt = acc + G * D;
-      float* vt = kt + kTile * D;
-      float* m = vt + kTile * D;
-      float* l = m + G;
-      for (int h = 0; h < G; ++h) {
-        to_f32(row_ptr(t.q, r * t.q.strides[0] + (g * G + h) * t.q.strides[1]), p.q_dtype, D,
-               q + h * D);
-        for (int x = 0; x < D; ++x) q[h * D + x] *= scale;
-        m[h] = kNegInf;
-        l[h] = 0.f;
-      }
-      std::fill(acc, acc + G * D, 0.f);
-      int n = 0;
-      auto flush = [&] {
-        if (n) flash_tile(G, D, n, q, kt, vt, m, l, acc);
-        n = 0;
-      };
-      auto add_key = [&](int64_t j) {
-        to_f32(row_ptr(t.k_cache, cache_off(t.k_cache, L, b, j, g)), p.kv_dtype, D, kt + n * D);
-        to_f32(row_ptr(t.v_cache, cache_off(t.v_cache, L, b, j, g)), p.kv_dtype, D, vt + n * D);
-        if (++n == kTile) flush();
-      };
-      const int64_t last = std::min<int64_t>(pos, L.kv_len[b] - 1);
-      if (!sparse) {
-        for (int64_t j = 0; j <= last; ++j) add_key(j);
-      } else {
-        // Union of the R index heads' ascending lists: merge, dedupe.
-        std::vector<int32_t> sel;
-        sel.reserve(static_cast<size_t>(R) * K);
-        for (int i = 0; i < R; ++i) {
-          const int32_t* ids = t.topk.ptr<int32_t>() + (g * R + i) * t.topk.strides[0] +
-                               r * t.topk.strides[1];
-          for (int k = 0; k < K; ++k)
-            if (ids[k * t.topk.strides[2]] >= 0) sel.push_back(ids[k * t.topk.strides[2]]);
+    // Dense extend shares keys between consecutive tokens; sparse rows have their own
+    // selections, and decode has one token per request.
+    const int QT = (p.op == Op::dense_extend) ? std::max(1, kMaxRows / G) : 1;
+    pl.rows_per_item = QT * G;
+    pl.MV = static_cast<int>((pl.rows_per_item + 15) / 16);
+    const int Mp = 16 * pl.MV;
+    const int nreq = L.num_requests();
+    const int64_t sparse_keys =
+        sparse ? static_cast<int64_t>(p.num_index_heads / Hkv) * p.topk * p.block_size : 0;
+    auto keys_of = [&](int b, int64_t pos) {
+      const int64_t vis = std::min<int64_t>(pos + 1, L.kv_len[b]);
+      return sparse ? std::min(vis, sparse_keys) : vis;
+    };
+    // Split-KV for decode: enough items for every thread (x4 for balance), >= kMinSplitKeys each.
+    int want_splits = 1;
+    if (is_decode(p.op)) {
+      const int64_t base = static_cast<int64_t>(nreq) * Hkv;
+      const int64_t target = 4 * static_cast<int64_t>(pool_.size());
+      if (base < target) want_splits = static_cast<int>((target + base - 1) / base);
+    }
+    pl.partial_floats = 2 * static_cast<size_t>(Mp) + static_cast<size_t>(D) * Mp;
+    for (int b = 0; b < nreq; ++b) {
+      const int64_t r0 = L.q_indptr[b], r1 = L.q_indptr[b + 1];
+      const int64_t first_pos = L.kv_len[b] - L.q_len[b];
+      for (int g = 0; g < Hkv; ++g)
+        for (int64_t r = r0; r < r1; r += QT) {
+          const int nr = static_cast<int>(std::min<int64_t>(QT, r1 - r));
+          const int64_t keys = keys_of(b, first_pos + (r - r0) + nr - 1);
+          int ns = 1;
+          if (want_splits > 1)
+            ns = static_cast<int>(std::clamp<int64_t>(keys / kMinSplitKeys, 1, want_splits));
+          const int64_t first = pl.num_partials;
+          for (int s = 0; s < ns; ++s) {
+            Item it;
+            it.b = b;
+            it.g = g;
+            it.row0 = r;
+            it.nrows = nr;
+            it.split = s;
+            it.nsplit = ns;
+            it.cost = keys * nr / ns;
+            if (ns > 1) it.partial = pl.num_partials++;
+            pl.items.push_back(it);
+          }
+          if (ns > 1) pl.merges.push_back({b, g, r, first, ns});
         }
-        std::sort(sel.begin(), sel.end());
-        sel.erase(std::unique(sel.begin(), sel.end()), sel.end());
-        const int B = p.block_size;
-        for (int32_t c : sel) {
-          const int64_t j0 = static_cast<int64_t>(c) * B;
-          const int64_t j1 = std::min<int64_t>(j0 + B - 1, last);
-          for (int64_t j = j0; j <= j1; ++j) add_key(j);
-        }
-      }
-      flush();
-      for (int h = 0; h < G; ++h) {
-        const int hq = g * G + h;
-        float mm = m[h], ll = l[h];
-        float* a = acc + h * D;
-        if (p.has_sink) {
-          const float sk = t.sink.ptr<float>()[hq * t.sink.strides[0]];
-          const float m2 = std::max(mm, sk);
-          const float c = (mm == kNegInf) ? 0.f : std::exp(mm - m2);
-          ll = ll * c + std::exp(sk - m2);
-          for (int x = 0; x < D; ++x) a[x] *= c;
-          mm = m2;
-        }
-        const float inv = ll > 0.f ? 1.f / ll : 0.f;
-        void* out = static_cast<char*>(t.out.data) +
-                    (r * t.out.strides[0] + hq * t.out.strides[1]) * dtype_size(t.out.dtype);
-        for (int x = 0; x < D; ++x) store_from_f32(out, t.out.dtype, x, a[x] * inv);
-        if (p.write_lse)
-          t.lse.ptr<float>()[r * t.lse.strides[0] + hq * t.lse.strides[1]] =
-              ll > 0.f ? mm + std::log(ll) : kNegInf;
-      }
-    });
+    }
+    pl.scratch_floats = 2 * static_cast<size_t>(D) * Mp      // qT, oT
+                        + 2 * static_cast<size_t>(kKeyTile) * D  // K, V tiles
+                        + static_cast<size_t>(kKeyTile) * Mp     // sT
+                        + 4 * static_cast<size_t>(Mp)            // m, l, rowpos, spare
+                        + kKeyTile + 64;                         // jpos
   }
 
-  void run_index(const Problem& p, const BatchLayout& L, const Tensors& t) {
-    const int H = p.num_index_heads, Di = p.index_dim, B = p.block_size, K = p.topk;
-    const float s = p.effective_index_scale();
-    const int64_t T = L.total_q();
-    std::vector<int> row_req(T);
+  void plan_index(const Problem& p, const BatchLayout& L, CpuPlan& pl) const {
+    const int H = p.num_index_heads, Di = p.index_dim, B = p.block_size;
+    const int hc = std::min(H, kMaxRows);  // heads per item
+    int max_blocks = 1;
     for (int b = 0; b < L.num_requests(); ++b)
-      for (int64_t r = L.q_indptr[b]; r < L.q_indptr[b + 1]; ++r) row_req[r] = b;
-    pool_.parallel_for(T, [&](int64_t r) {
-      const int b = row_req[r];
-      const int64_t pos = L.kv_len[b] - L.q_len[b] + (r - L.q_indptr[b]);
-      const int64_t last = std::min<int64_t>(pos, L.kv_len[b] - 1);
+      max_blocks = std::max<int>(max_blocks, static_cast<int>((L.kv_len[b] + B - 1) / B));
+    pl.max_blocks = max_blocks;
+    // Tokens per item: up to 64 rows, fewer when the per-block score buffer would be large.
+    int QT = std::max(1, kMaxRows / hc);
+    const int lse = p.score_type == ScoreType::lse ? 2 : 1;
+    while (QT > 1 && static_cast<size_t>(max_blocks) * round16(QT * hc) * lse > (size_t(1) << 20))
+      QT /= 2;
+    pl.rows_per_item = QT * hc;
+    pl.MV = (pl.rows_per_item + 15) / 16;
+    const int Mp = 16 * pl.MV;
+    for (int b = 0; b < L.num_requests(); ++b) {
+      const int64_t r0 = L.q_indptr[b], r1 = L.q_indptr[b + 1];
+      for (int h0 = 0; h0 < H; h0 += hc)
+        for (int64_t r = r0; r < r1; r += QT) {
+          Item it;
+          it.b = b;
+          it.g = h0;
+          it.nheads = std::min(hc, H - h0);
+          it.row0 = r;
+          it.nrows = static_cast<int>(std::min<int64_t>(QT, r1 - r));
+          it.cost = (L.kv_len[b] - L.q_len[b] + (r - r0) + it.nrows) * it.nrows;
+          pl.items.push_back(it);
+        }
+    }
+    pl.scratch_floats = static_cast<size_t>(Di) * Mp + static_cast<size_t>(kKeyTile) * Di +
+                        static_cast<size_t>(kKeyTile) * Mp +
+                        static_cast<size_t>(max_blocks) * Mp * lse  // block stats
+                        + 2 * static_cast<size_t>(max_blocks)       // one row's scores and ids
+                        + Mp + kKeyTile + 64;
+  }
+
+  // One attention work item: its rows against its keys (its split of them, for split decode).
+  void attend_item(const CpuPlan& cp, const Problem& p, const BatchLayout& L, const Tensors& t,
+                   const Item& it, float* scratch, float* partials) const {
+    const int Hkv = p.num_kv_heads, G = p.num_q_heads / Hkv, D = p.head_dim;
+    const int MV = cp.MV, Mp = 16 * MV;
+    const int M = it.nrows * G;
+    const int b = it.b, g = it.g;
+    float* qT = scratch;
+    float* oT = qT + static_cast<size_t>(D) * Mp;
+    float* kt = oT + static_cast<size_t>(D) * Mp;
+    float* vt = kt + static_cast<size_t>(kKeyTile) * D;
+    float* sT = vt + static_cast<size_t>(kKeyTile) * D;
+    float* m = sT + static_cast<size_t>(kKeyTile) * Mp;
+    float* l = m + Mp;
+    int32_t* rowpos = reinterpret_cast<int32_t*>(l + Mp);
+    int32_t* jpos = rowpos + Mp;
+
+    const int64_t first_pos = L.kv_len[b] - L.q_len[b] + (it.row0 - L.q_indptr[b]);
+    const float qscale = p.effective_sm_scale() * kLog2e;
+    std::fill(qT, qT + static_cast<size_t>(D) * Mp, 0.f);
+    std::fill(oT, oT + static_cast<size_t>(D) * Mp, 0.f);
+    for (int r = 0; r < Mp; ++r) {
+      const int tok = std::min(r / G, it.nrows - 1);
+      rowpos[r] = static_cast<int32_t>(first_pos + tok);
+      m[r] = kNegInf;
+      l[r] = 0.f;
+    }
+    for (int r = 0; r < M; ++r) {
+      const int tok = r / G, h = r % G;
+      const int64_t off = (it.row0 + tok) * t.q.strides[0] + (g * G + h) * t.q.strides[1];
+      for (int x = 0; x < D; ++x) qT[x * Mp + r] = load_as_f32(t.q.data, p.q_dtype, off + x) * qscale;
+    }
+    const int64_t last = std::min<int64_t>(first_pos + it.nrows - 1, L.kv_len[b] - 1);
+
+    // Key segments of this item.
+    std::vector<std::pair<int64_t, int64_t>> segs;
+    if (!is_sparse_attend(p.op)) {
+      segs.emplace_back(0, last + 1);
+    } else {
+      const int R = p.num_index_heads / Hkv, K = p.topk, B = p.block_size;
+      std::vector<int32_t> sel;
+      sel.reserve(static_cast<size_t>(R) * K);
+      for (int i = 0; i < R; ++i) {
+        const int32_t* ids =
+            t.topk.ptr<int32_t>() + (g * R + i) * t.topk.strides[0] + it.row0 * t.topk.strides[1];
+        for (int k = 0; k < K; ++k) {
+          const int32_t c = ids[k * t.topk.strides[2]];
+          if (c >= 0) sel.push_back(c);
+        }
+      }
+      std::sort(sel.begin(), sel.end());
+      sel.erase(std::unique(sel.begin(), sel.end()), sel.end());
+      for (int32_t c : sel) {
+        const int64_t j0 = static_cast<int64_t>(c) * B;
+        const int64_t j1 = std::min<int64_t>(j0 + B, last + 1);
+        if (j0 < j1) {
+          if (!segs.empty() && segs.back().second == j0)
+            segs.back().second = j1;  // adjacent blocks: one segment
+          else
+            segs.emplace_back(j0, j1);
+        }
+      }
+    }
+    if (it.nsplit > 1) {
+      // This split's share of the key list, by key count.
+      int64_t total = 0;
+      for (auto& s : segs) total += s.second - s.first;
+      const int64_t k0 = total * it.split / it.nsplit, k1 = total * (it.split + 1) / it.nsplit;
+      std::vector<std::pair<int64_t, int64_t>> mine;
+      int64_t at = 0;
+      for (auto& s : segs) {
+        const int64_t len = s.second - s.first;
+        const int64_t a = std::max(at, k0), e = std::min(at + len, k1);
+        if (a < e) mine.emplace_back(s.first + (a - at), s.first + (e - at));
+        at += len;
+      }
+      segs.swap(mine);
+    }
+
+    TileState st{qT, oT, m, l, rowpos, D};
+    KeyCursor cur(segs.data(), static_cast<int>(segs.size()));
+    while (!cur.done()) {
+      int npad = 0;
+      fill_tile(cur, t.k_cache, &t.v_cache, p.kv_dtype, L, b, g, D, kt, vt, jpos, &npad);
+      attend_tile(MV, st, kt, vt, jpos, npad, sT);
+    }
+    if (it.partial >= 0) {
+      float* slot = partials + round16(cp.partial_floats) * it.partial;
+      std::memcpy(slot, m, sizeof(float) * Mp);
+      std::memcpy(slot + Mp, l, sizeof(float) * Mp);
+      std::memcpy(slot + 2 * Mp, oT, sizeof(float) * D * Mp);
+      return;
+    }
+    for (int r = 0; r < M; ++r) finalize_row(p, t, it.row0 + r / G, g * G + r % G, m[r], l[r], oT + r, Mp);
+  }
+
+  // Sink, normalisation, output and lse of one (row, q head); o[x * stride] is unnormalised.
+  static void finalize_row(const Problem& p, const Tensors& t, int64_t row, int hq, float mm,
+                           float ll, const float* o, int stride) {
+    const int D = p.head_dim;
+    float c = 1.f;
+    if (p.has_sink) {
+      const float sk = t.sink.ptr<float>()[hq * t.sink.strides[0]] * kLog2e;
+      const float m2 = std::max(mm, sk);
+      c = (mm == kNegInf) ? 0.f : std::exp2(mm - m2);
+      ll = ll * c + std::exp2(sk - m2);
+      mm = m2;
+    }
+    const float inv = ll > 0.f ? c / ll : 0.f;
+    const int64_t off = row * t.out.strides[0] + hq * t.out.strides[1];
+    if (t.out.dtype == DType::f32) {
+      float* out = t.out.ptr<float>() + off;
+      for (int x = 0; x < D; ++x) out[x] = o[x * stride] * inv;
+    } else {
+      for (int x = 0; x < D; ++x) store_from_f32(t.out.data, t.out.dtype, off + x, o[x * stride] * inv);
+    }
+    if (p.write_lse)
+      t.lse.ptr<float>()[row * t.lse.strides[0] + hq * t.lse.strides[1]] =
+          ll > 0.f ? (mm + std::log2(ll)) * kLn2 : kNegInf;
+  }
+
+  // Combines the splits of one (request, kv head) in split order.
+  void merge_splits(const CpuPlan& cp, const Problem& p, const Tensors& t, const Merge& mg,
+                    const float* partials) const {
+    const int G = p.num_q_heads / p.num_kv_heads, D = p.head_dim, Mp = 16 * cp.MV;
+    const size_t slot = round16(cp.partial_floats);
+    std::vector<float> o(D);
+    for (int r = 0; r < G; ++r) {
+      float mx = kNegInf;
+      for (int s = 0; s < mg.n; ++s) mx = std::max(mx, partials[slot * (mg.first + s) + r]);
+      float ll = 0.f;
+      std::fill(o.begin(), o.end(), 0.f);
+      if (mx != kNegInf) {
+        for (int s = 0; s < mg.n; ++s) {
+          const float* ps = partials + slot * (mg.first + s);
+          const float w = std::exp2(ps[r] - mx);  // empty split: exp2(-inf) = 0
+          ll += ps[Mp + r] * w;
+          const float* os = ps + 2 * Mp + r;
+          for (int x = 0; x < D; ++x) o[x] += os[x * Mp] * w;
+        }
+      }
+      finalize_row(p, t, mg.row, mg.g * G + r, mx, ll, o.data(), 1);
+    }
+  }
+
+  void index_item(const CpuPlan& cp, const Problem& p, const BatchLayout& L, const Tensors& t,
+                  const Item& it, float* scratch) const {
+    const int Di = p.index_dim, B = p.block_size, K = p.topk;
+    const int MV = cp.MV, Mp = 16 * MV, hc = it.nheads;
+    const int M = it.nrows * hc;
+    const bool lse = p.score_type == ScoreType::lse;
+    const int b = it.b;
+    const int64_t first_pos = L.kv_len[b] - L.q_len[b] + (it.row0 - L.q_indptr[b]);
+    const int64_t last = std::min<int64_t>(first_pos + it.nrows - 1, L.kv_len[b] - 1);
+    const int nblk = static_cast<int>(last / B + 1);
+    float* qT = scratch;
+    float* kt = qT + static_cast<size_t>(Di) * Mp;
+    float* sT = kt + static_cast<size_t>(kKeyTile) * Di;
+    float* bm = sT + static_cast<size_t>(kKeyTile) * Mp;
+    float* bsum = bm + static_cast<size_t>(cp.max_blocks) * Mp;  // lse only
+    float* row_scores = bsum + (lse ? static_cast<size_t>(cp.max_blocks) * Mp : 0);
+    int32_t* ids = reinterpret_cast<int32_t*>(row_scores + cp.max_blocks);
+    int32_t* rowpos = ids + cp.max_blocks;
+    int32_t* jpos = rowpos + Mp;
+
+    const float s = p.effective_index_scale();
+    std::fill(qT, qT + static_cast<size_t>(Di) * Mp, 0.f);
+    std::fill(bm, bm + static_cast<size_t>(nblk) * Mp, kNegInf);
+    if (lse) std::fill(bsum, bsum + static_cast<size_t>(nblk) * Mp, 0.f);
+    for (int r = 0; r < Mp; ++r)
+      rowpos[r] = static_cast<int32_t>(first_pos + std::min(r / hc, it.nrows - 1));
+    for (int r = 0; r < M; ++r) {
+      const int tok = r / hc, h = it.g + r % hc;
+      const int64_t off = (it.row0 + tok) * t.index_q.strides[0] + h * t.index_q.strides[1];
+      for (int x = 0; x < Di; ++x) qT[x * Mp + r] = load_as_f32(t.index_q.data, p.q_dtype, off + x) * s;
+    }
+    const std::pair<int64_t, int64_t> seg{0, last + 1};
+    KeyCursor cur(&seg, 1);
+    while (!cur.done()) {
+      int npad = 0;
+      const int n = fill_tile(cur, t.index_k_cache, nullptr, p.kv_dtype, L, b, 0, Di, kt, nullptr,
+                              jpos, &npad);
+      index_tile(MV, qT, Di, rowpos, kt, jpos, npad, n, sT, B, lse, bm, bsum);
+    }
+    for (int r = 0; r < M; ++r) {
+      const int tok = r / hc, h = it.g + r % hc;
+      const int64_t pos = first_pos + tok;
       const int nvis = static_cast<int>(pos / B + 1);
-      std::vector<float> q(static_cast<size_t>(H) * Di), kr(Di);
-      std::vector<float> mx(static_cast<size_t>(H) * nvis, kNegInf),
-          sum(p.score_type == ScoreType::lse ? static_cast<size_t>(H) * nvis : 0, 0.f);
-      for (int h = 0; h < H; ++h)
-        to_f32(row_ptr(t.index_q, r * t.index_q.strides[0] + h * t.index_q.strides[1]),
-               p.q_dtype, Di, q.data() + h * Di);
-      // Pass 1: running max per block (keys read once for all heads).
-      std::vector<float> logit(static_cast<size_t>(H) * B);
+      float* S = row_scores;
       for (int c = 0; c < nvis; ++c) {
-        const int64_t j0 = static_cast<int64_t>(c) * B, j1 = std::min<int64_t>(j0 + B - 1, last);
-        for (int64_t j = j0; j <= j1; ++j) {
-          to_f32(row_ptr(t.index_k_cache, cache_off(t.index_k_cache, L, b, j, 0)), p.kv_dtype,
-                 Di, kr.data());
-          for (int h = 0; h < H; ++h) {
-            float z = s * dot_f32(q.data() + h * Di, kr.data(), Di);
-            logit[h * B + (j - j0)] = z;
-            mx[h * nvis + c] = std::max(mx[h * nvis + c], z);
-          }
-        }
-        if (p.score_type == ScoreType::lse) {
-          for (int h = 0; h < H; ++h) {
-            float m0 = mx[h * nvis + c], acc = 0.f;
-            if (m0 == kNegInf) continue;
-            for (int64_t j = j0; j <= j1; ++j) acc += std::exp(logit[h * B + (j - j0)] - m0);
-            mx[h * nvis + c] = m0 + std::log(acc);
-          }
-        }
+        float v = bm[static_cast<size_t>(c) * Mp + r];
+        if (lse && v != kNegInf) v += std::log(bsum[static_cast<size_t>(c) * Mp + r]);
+        if (std::isnan(v)) v = -1e30f;
+        if (c < p.init_blocks) v = 1e30f;
+        if (c >= nvis - p.local_blocks) v = 1e29f;
+        S[c] = v;
+        ids[c] = c;
       }
       const int keff = std::min(K, nvis);
-      std::vector<int32_t> ids(nvis);
-      for (int h = 0; h < H; ++h) {
-        float* S = mx.data() + h * nvis;
-        for (int c = 0; c < nvis; ++c) {
-          if (std::isnan(S[c])) S[c] = -1e30f;
-          if (c < p.init_blocks) S[c] = 1e30f;
-          if (c >= nvis - p.local_blocks) S[c] = 1e29f;
-        }
-        for (int c = 0; c < nvis; ++c) ids[c] = c;
-        // Descending score, ties to the smaller id: a total order, so deterministic.
-        auto better = [S](int32_t a, int32_t bb) { return S[a] > S[bb] || (S[a] == S[bb] && a < bb); };
-        if (keff < nvis) std::nth_element(ids.begin(), ids.begin() + keff, ids.end(), better);
-        std::sort(ids.begin(), ids.begin() + keff);
-        int32_t* o = t.topk.ptr<int32_t>() + h * t.topk.strides[0] + r * t.topk.strides[1];
-        for (int k = 0; k < K; ++k) o[k * t.topk.strides[2]] = k < keff ? ids[k] : -1;
-      }
-    });
+      // Descending score, ties to the smaller id: a total order, so deterministic.
+      auto better = [S](int32_t a, int32_t bb) { return S[a] > S[bb] || (S[a] == S[bb] && a < bb); };
+      if (keff < nvis) std::nth_element(ids, ids + keff, ids + nvis, better);
+      std::sort(ids, ids + keff);
+      int32_t* o = t.topk.ptr<int32_t>() + h * t.topk.strides[0] + (it.row0 + tok) * t.topk.strides[1];
+      for (int k = 0; k < K; ++k) o[k * t.topk.strides[2]] = k < keff ? ids[k] : -1;
+    }
   }
 
   std::string name_ = "cpu";
