@@ -55,8 +55,8 @@ struct Smem {
   static constexpr size_t s = v + kChunk * LD * 2;
   static constexpr size_t p = s + kRows * LDS * 4;
   static constexpr size_t o = p + kRows * LDP * 2;
-  static constexpr size_t corr = o + kRows * LDO * 4;
-  static constexpr size_t sel = corr + 64;
+  static constexpr size_t nsel = o + kRows * LDO * 4;
+  static constexpr size_t sel = nsel + 32;
   static size_t bytes(int entries) { return sel + 12 * static_cast<size_t>(entries) + 16; }
 };
 
@@ -78,9 +78,8 @@ __global__ void __launch_bounds__(kThreads) attend_kernel(AttendArgs a) {
   float* ss = reinterpret_cast<float*>(smem + L::s);
   T* ps = reinterpret_cast<T*>(smem + L::p);
   float* os = reinterpret_cast<float*>(smem + L::o);
-  float* corr_s = reinterpret_cast<float*>(smem + L::corr);
   int32_t* sel = reinterpret_cast<int32_t*>(smem + L::sel);
-  __shared__ int s_nsel;
+  int& s_nsel = *reinterpret_cast<int*>(smem + L::nsel);
 
   int cta = blockIdx.x;
   const int split = cta % a.nsplit;
@@ -146,15 +145,24 @@ __global__ void __launch_bounds__(kThreads) attend_kernel(AttendArgs a) {
       const int nkeys = min(min(kChunk, a.B - kk), pos + 1 - j0);
       __syncthreads();
       {
-        const int r = tid % kChunk;
-        const bool v = r < nkeys;
-        const int j = j0 + r;
-        const int64_t pg = v ? static_cast<int64_t>(pages[j / a.page_size]) : 0;
-        const int pr = j % a.page_size;
-        if (tid < kChunk)
-          copy_row<D>(ks + r * L::LD, kc + pg * a.k_s0 + pr * a.k_s1 + g * a.k_s2, v);
-        else
-          copy_row<D>(vs + r * L::LD, vc + pg * a.v_s0 + pr * a.v_s1 + g * a.v_s2, v);
+        // Coalesced: consecutive threads read consecutive 16 bytes of a K (then V) row.
+        constexpr int VPR = D / 8;
+#pragma unroll 4
+        for (int i = tid; i < 2 * kChunk * VPR; i += kThreads) {
+          const bool is_v = i >= kChunk * VPR;
+          const int ii = is_v ? i - kChunk * VPR : i;
+          const int r = ii / VPR, x = ii % VPR;
+          uint4 val = make_uint4(0, 0, 0, 0);
+          if (r < nkeys) {
+            const int j = j0 + r;
+            const int64_t pg = pages[j / a.page_size];
+            const int pr = j % a.page_size;
+            const T* src = is_v ? vc + pg * a.v_s0 + pr * a.v_s1 + g * a.v_s2
+                                : kc + pg * a.k_s0 + pr * a.k_s1 + g * a.k_s2;
+            val = reinterpret_cast<const uint4*>(src)[x];
+          }
+          reinterpret_cast<uint4*>((is_v ? vs : ks) + r * L::LD)[x] = val;
+        }
       }
       __syncthreads();
       {
@@ -292,14 +300,16 @@ __global__ void __launch_bounds__(kThreads) merge_kernel(AttendArgs a) {
 template <typename T, int D>
 cudaError_t launch_t(const AttendArgs& a, cudaStream_t st) {
   const size_t smem = Smem<D>::bytes(a.R * a.K);
-  static bool attr_done = false;  // per instantiation; the opt-in is process-wide per function
-  if (!attr_done) {
+  static bool attr_done[64] = {};  // per instantiation and device
+  int dev = 0;
+  if (cudaError_t e = cudaGetDevice(&dev); e != cudaSuccess) return e;
+  if (dev >= 64 || !attr_done[dev]) {
     if (cudaError_t e = cudaFuncSetAttribute(attend_kernel<T, D>,
                                              cudaFuncAttributeMaxDynamicSharedMemorySize,
                                              static_cast<int>(Smem<D>::bytes(kMaxEntries)));
         e != cudaSuccess)
       return e;
-    attr_done = true;
+    if (dev < 64) attr_done[dev] = true;
   }
   const int64_t ctas = static_cast<int64_t>(a.rows) * a.hkv * a.htiles * a.nsplit;
   if (ctas == 0) return cudaSuccess;

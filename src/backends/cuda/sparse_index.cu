@@ -94,13 +94,19 @@ __global__ void __launch_bounds__(kThreads) index_score_kernel(IndexArgs a) {
       if (j0 > pos_max) break;  // the rest of the block is masked for every row
       const int nkeys = min(min(kChunk, a.B - kk), kv - j0);
       __syncthreads();  // previous step's readers of ss / ks are done
-      for (int r = tid; r < kChunk; r += kThreads) {
-        const bool v = r < nkeys;
-        const int j = j0 + r;
-        const T* src = kc;
-        if (v) src = kc + static_cast<int64_t>(pages[j / a.page_size]) * a.k_s0 +
-                     (j % a.page_size) * a.k_s1;
-        copy_row<D>(ks + r * LD, src, v);
+      // Coalesced: consecutive threads read consecutive 16 bytes of a key row.
+      constexpr int VPR = D / 8;
+#pragma unroll 4
+      for (int i = tid; i < kChunk * VPR; i += kThreads) {
+        const int r = i / VPR, x = i % VPR;
+        uint4 val = make_uint4(0, 0, 0, 0);
+        if (r < nkeys) {
+          const int j = j0 + r;
+          const T* src = kc + static_cast<int64_t>(pages[j / a.page_size]) * a.k_s0 +
+                         (j % a.page_size) * a.k_s1;
+          val = reinterpret_cast<const uint4*>(src)[x];
+        }
+        reinterpret_cast<uint4*>(ks + r * LD)[x] = val;
       }
       __syncthreads();
       wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[NF];
