@@ -9,6 +9,6 @@ timeout 200 $B/bin/attnrt_gpu_sparse_tests 2>&1 | tee $O/sparse_tests.log | grep
 timeout 30 $B/bin/attnrt_gpu_tests --gtest_filter='*Probe*' 2>&1 | tail -3
 ATTNRT_GPU_BENCH=1 timeout 150 $B/bin/attnrt_gpu_sparse_tests --gtest_filter='*Bench*' 2>&1 | tee $O/sparse_bench.log | grep -E "BENCH|FAIL|PASS"
 if command -v compute-sanitizer >/dev/null && [ -z "$NO_MEMCHECK" ]; then
-  timeout 120 compute-sanitizer --tool memcheck $B/bin/attnrt_gpu_sparse_tests \
+  timeout 60 compute-sanitizer --tool memcheck $B/bin/attnrt_gpu_sparse_tests \
     --gtest_filter='*Indexer*:*AttendMatches*:*ShortContext*' 2>&1 | tee $O/memcheck.log | tail -4
 fi
