@@ -1,8 +1,16 @@
-// `attnrt bench`: times attention ops on the cpu backend at the minimax-m3-tp4 shapes (or custom
-// shapes) and reports each against ceilings measured in the same run: a register-only FMA loop
-// on the same threads (fp32 peak) and a large streaming read (bandwidth).
-// Calls the Backend directly (plan once, run repeatedly); only --backend cpu is served for now.
+// `attnrt bench`: times attention ops through the public Runtime API (plan once, run
+// repeatedly, as a user's forward pass does) at the minimax-m3-tp4 shapes or custom shapes, and
+// reports each case against ceilings measured in the same run on the same threads:
+//   * fp32 FMA peak: a register-only FMA loop (AVX-512 / AVX2 / scalar, chosen at run time);
+//   * OpenBLAS sgemm (2048^3, loaded with dlopen so the program does not depend on it; its
+//     environment variables are left as they are, only its thread count is set to ours);
+//   * streaming read: a vectorised sum over a 512 MiB buffer.
+// Work is counted as design.md §8 says: FLOPs of visible (query, key) pairs only; bytes of K/V
+// (or index keys) actually read, once per KV group.
 #include <CLI/CLI.hpp>
+#include <dlfcn.h>
+#include <immintrin.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -11,29 +19,21 @@
 #include <iostream>
 #include <memory>
 #include <nlohmann/json.hpp>
-#include <numeric>
 #include <random>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "attnrt/attnrt.h"
-#include "backends/cpu/cpu_backend.h"
-#include "core/backend.h"
 
 namespace {
 using namespace attnrt;
 using Clock = std::chrono::steady_clock;
 
 struct BenchOpts {
-  std::string suite = "cpu-m3", op, dtype = "bf16", backend = "cpu";
+  std::string suite = "cpu-m3", op, dtype = "bf16", backend = "cpu", device = "cpu";
   int batch = 1, q_len = 0, kv_len = 4096, repeat = 5, warmup = 1, threads = 0;
   bool json = false;
-};
-
-struct HostMem : DeviceMemory {
-  void* alloc(size_t n) override { return std::aligned_alloc(64, (n + 63) / 64 * 64); }
-  void free(void* p) noexcept override { std::free(p); }
 };
 
 struct CaseSpec {
@@ -43,152 +43,296 @@ struct CaseSpec {
   int batch, q_len, kv_len;
 };
 
-// Register-only FMA loop on `threads` threads: fp32 FLOP/s ceiling.
-__attribute__((target_clones("arch=x86-64-v4", "default"))) float fma_kernel(long iters,
-                                                                          float seed) {
-  float a[64];
-  for (int i = 0; i < 64; ++i) a[i] = seed + i;
+double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+// ---- ceilings ----------------------------------------------------------------------------------
+
+// 16 independent FMA chains of 16 lanes: enough to cover FMA latency x pipes.
+__attribute__((target("avx512f"))) float fma_avx512(long iters, float seed) {
+  __m512 a[16];
+  for (int i = 0; i < 16; ++i) a[i] = _mm512_set1_ps(seed + i);
+  const __m512 m = _mm512_set1_ps(0.999999f), c = _mm512_set1_ps(1e-7f);
   for (long it = 0; it < iters; ++it)
-    for (int i = 0; i < 64; ++i) a[i] = a[i] * 0.999999f + 1e-7f;
-  float s = 0;
-  for (int i = 0; i < 64; ++i) s += a[i];
+    for (int i = 0; i < 16; ++i) a[i] = _mm512_fmadd_ps(a[i], m, c);
+  __m512 s = a[0];
+  for (int i = 1; i < 16; ++i) s = _mm512_add_ps(s, a[i]);
+  float out[16], sum = 0;
+  _mm512_storeu_ps(out, s);
+  for (float x : out) sum += x;
+  return sum;
+}
+
+__attribute__((target("avx2,fma"))) float fma_avx2(long iters, float seed) {
+  __m256 a[16];
+  for (int i = 0; i < 16; ++i) a[i] = _mm256_set1_ps(seed + i);
+  const __m256 m = _mm256_set1_ps(0.999999f), c = _mm256_set1_ps(1e-7f);
+  for (long it = 0; it < iters; ++it)
+    for (int i = 0; i < 16; ++i) a[i] = _mm256_fmadd_ps(a[i], m, c);
+  float out[8], s = 0;
+  for (int i = 1; i < 16; ++i) a[0] = _mm256_add_ps(a[0], a[i]);
+  _mm256_storeu_ps(out, a[0]);
+  for (float x : out) s += x;
   return s;
 }
 
-double measure_peak(int threads) {
-  const long iters = 4000000;
-  std::vector<std::thread> ts;
-  std::vector<float> sink(threads);
-  auto t0 = Clock::now();
-  for (int i = 0; i < threads; ++i) ts.emplace_back([&, i] { sink[i] = fma_kernel(iters, i); });
-  for (auto& t : ts) t.join();
-  double s = std::chrono::duration<double>(Clock::now() - t0).count();
-  volatile float keep = sink[0];
-  (void)keep;
-  return 2.0 * 64 * iters * threads / s;
+float fma_scalar(long iters, float seed) {
+  float a[16];
+  for (int i = 0; i < 16; ++i) a[i] = seed + i;
+  for (long it = 0; it < iters; ++it)
+    for (int i = 0; i < 16; ++i) a[i] = std::fma(a[i], 0.999999f, 1e-7f);
+  float s = 0;
+  for (float x : a) s += x;
+  return s;
 }
 
-double measure_bw(int threads) {
-  const size_t n = size_t(1) << 27;  // 512 MiB of floats
-  std::vector<float> buf(n, 1.0f);
+// Returns FLOP/s over `threads` threads and the name of the variant used.
+double measure_fma_peak(int threads, std::string* isa) {
+  __builtin_cpu_init();
+  int lanes = 1;
+  float (*kernel)(long, float) = fma_scalar;
+  *isa = "scalar";
+  if (__builtin_cpu_supports("avx512f")) {
+    kernel = fma_avx512, lanes = 16, *isa = "avx512";
+  } else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+    kernel = fma_avx2, lanes = 8, *isa = "avx2";
+  }
+  const long iters = lanes == 1 ? 2000000 : 20000000;
   double best = 0;
   for (int rep = 0; rep < 3; ++rep) {
     std::vector<std::thread> ts;
-    std::vector<double> part(threads);
-    auto t0 = Clock::now();
-    for (int i = 0; i < threads; ++i)
-      ts.emplace_back([&, i] {
-        size_t a = n * i / threads, b = n * (i + 1) / threads;
-        double s = 0;
-        for (size_t j = a; j < b; ++j) s += buf[j];
-        part[i] = s;
-      });
+    std::vector<float> keep(threads);
+    const auto t0 = Clock::now();
+    for (int i = 0; i < threads; ++i) ts.emplace_back([&, i] { keep[i] = kernel(iters, i); });
     for (auto& t : ts) t.join();
-    double s = std::chrono::duration<double>(Clock::now() - t0).count();
-    best = std::max(best, n * 4.0 / s);
+    const double s = seconds_since(t0);
+    volatile float sink = keep[0];
+    (void)sink;
+    best = std::max(best, 2.0 * 16 * lanes * iters * threads / s);
   }
   return best;
 }
 
-void fill(std::vector<unsigned char>& v, DType dt, int64_t n, std::mt19937_64& rng) {
-  v.resize(n * dtype_size(dt));
-  std::normal_distribution<float> nd;
-  for (int64_t i = 0; i < n; ++i) store_from_f32(v.data(), dt, i, nd(rng));
+__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default"))) float sum_floats(
+    const float* p, size_t n) {
+  typedef float v16 __attribute__((vector_size(64)));
+  v16 acc[8] = {};
+  size_t i = 0;
+  for (; i + 128 <= n; i += 128)
+    for (int k = 0; k < 8; ++k) {
+      v16 x;
+      std::memcpy(&x, p + i + 16 * k, sizeof x);
+      acc[k] += x;
+    }
+  float s = 0;
+  for (; i < n; ++i) s += p[i];
+  for (int k = 0; k < 8; ++k)
+    for (int j = 0; j < 16; ++j) s += acc[k][j];
+  return s;
 }
 
-nlohmann::json run_case(Backend& be, const CaseSpec& c, const BenchOpts& o, double peak,
-                        double bw) {
+double measure_stream_read(int threads) {
+  const size_t n = size_t(1) << 27;  // 512 MiB of floats
+  std::vector<float> buf(n, 1.0f);
+  double best = 0;
+  for (int rep = 0; rep < 4; ++rep) {
+    std::vector<std::thread> ts;
+    std::vector<float> part(threads);
+    const auto t0 = Clock::now();
+    for (int i = 0; i < threads; ++i)
+      ts.emplace_back([&, i] {
+        const size_t a = n * i / threads, b = n * (i + 1) / threads;
+        part[i] = sum_floats(buf.data() + a, b - a);
+      });
+    for (auto& t : ts) t.join();
+    best = std::max(best, n * 4.0 / seconds_since(t0));
+  }
+  return best;
+}
+
+// OpenBLAS sgemm 2048^3 on `threads` threads; 0 when OpenBLAS cannot be loaded.
+double measure_sgemm(int threads, std::string* note) {
+  void* lib = nullptr;
+  for (const char* name : {"libopenblas.so.0", "libopenblas.so"})
+    if ((lib = dlopen(name, RTLD_NOW | RTLD_LOCAL))) break;
+  if (!lib) {
+    *note = "OpenBLAS not found";
+    return 0;
+  }
+  using Sgemm = void (*)(int, int, int, int, int, int, float, const float*, int, const float*,
+                         int, float, float*, int);
+  auto sgemm = reinterpret_cast<Sgemm>(dlsym(lib, "cblas_sgemm"));
+  auto set_threads = reinterpret_cast<void (*)(int)>(dlsym(lib, "openblas_set_num_threads"));
+  auto get_core = reinterpret_cast<char* (*)()>(dlsym(lib, "openblas_get_corename"));
+  if (!sgemm) {
+    *note = "cblas_sgemm missing";
+    return 0;
+  }
+  if (set_threads) set_threads(threads);
+  if (get_core) *note = std::string("OpenBLAS core ") + get_core();
+  const int N = 2048;
+  std::vector<float> a(size_t(N) * N, 0.5f), b(size_t(N) * N, 0.25f), c(size_t(N) * N);
+  constexpr int kRowMajor = 101, kNoTrans = 111;
+  double best = 0;
+  for (int rep = 0; rep < 4; ++rep) {
+    const auto t0 = Clock::now();
+    sgemm(kRowMajor, kNoTrans, kNoTrans, N, N, N, 1.0f, a.data(), N, b.data(), N, 0.0f, c.data(),
+          N);
+    if (rep > 0) best = std::max(best, 2.0 * N * N * N / seconds_since(t0));
+  }
+  return best;
+}
+
+// ---- one case ----------------------------------------------------------------------------------
+
+struct Buffer {
+  std::vector<unsigned char> host;
+  DeviceBuffer dev;
+};
+
+void fill(Runtime& rt, const Device& d, Buffer& b, DType dt, int64_t n, std::mt19937_64& rng) {
+  b.host.resize(std::max<int64_t>(n, 1) * dtype_size(dt));
+  if (dt == DType::i32) {
+    std::memset(b.host.data(), 0, b.host.size());
+  } else {
+    std::normal_distribution<float> nd;
+    for (int64_t i = 0; i < n; ++i) store_from_f32(b.host.data(), dt, i, nd(rng));
+  }
+  b.dev = rt.allocate(d, b.host.size());
+  rt.copy_to_device(b.dev, b.host.data(), b.host.size());
+}
+
+struct Ceilings {
+  double fma = 0, sgemm = 0, stream = 0;
+};
+
+nlohmann::json run_case(Runtime& rt, const Device& dev, const CaseSpec& c, const BenchOpts& o,
+                        const Ceilings& ceil) {
   const int Hq = 16, Hkv = 1, D = 128, Hi = 1, Di = 128, B = 128, K = 16, P = 128;
   Problem p;
   p.op = c.op;
+  p.device = dev;
   p.q_dtype = p.kv_dtype = c.dt;
   p.page_size = P;
-  p.num_q_heads = Hq;
-  p.num_kv_heads = Hkv;
-  p.head_dim = D;
-  p.num_index_heads = Hi;
-  p.index_dim = Di;
-  p.block_size = B;
-  p.topk = K;
-  p.local_blocks = 1;
+  if (!is_index(c.op)) {
+    p.num_q_heads = Hq;
+    p.num_kv_heads = Hkv;
+    p.head_dim = D;
+  }
+  if (!is_dense(c.op)) {
+    p.num_index_heads = Hi;
+    p.block_size = B;
+    p.topk = K;
+  }
+  if (is_index(c.op)) {
+    p.index_dim = Di;
+    p.local_blocks = 1;
+  }
   std::vector<int32_t> ql(c.batch, c.q_len), kl(c.batch, c.kv_len);
   std::vector<std::vector<int32_t>> pages;
   int npages = 0;
   for (int b = 0; b < c.batch; ++b) {
     std::vector<int32_t> pg;
     for (int i = 0; i < (c.kv_len + P - 1) / P; ++i) pg.push_back(npages++);
-    std::reverse(pg.begin(), pg.end());
+    std::reverse(pg.begin(), pg.end());  // scattered pages, not 0, 1, 2, ...
     pages.push_back(pg);
   }
-  BatchLayout L = BatchLayout::make(P, ql, kl, pages);
+  const BatchLayout L = BatchLayout::make(P, ql, kl, pages);
   const int64_t T = L.total_q();
-  std::mt19937_64 rng(1);
-  std::vector<unsigned char> q, k, v, iq, ik, out;
-  std::vector<int32_t> topk(size_t(Hi) * T * K);
-  Tensors t;
-  const Device cpu = Device::cpu();
-  double pairs = 0;  // visible (query, key) pairs
+  // Sparse attend selects the last K visible blocks of each row (the local window).
+  std::vector<int32_t> topk(size_t(Hi) * T * K, -1);
+  double pairs = 0, keys_read = 0;  // visible (query, key) pairs; keys read once per KV group
   for (int b = 0; b < c.batch; ++b)
     for (int i = 0; i < c.q_len; ++i) {
-      int64_t pos = c.kv_len - c.q_len + i;
+      const int64_t r = L.q_indptr[b] + i, pos = c.kv_len - c.q_len + i;
       if (is_sparse_attend(c.op)) {
-        int nvis = int(pos / B + 1);
-        pairs += std::min<int64_t>(pos + 1, int64_t(std::min(K, nvis)) * B);  // approx: full blocks
+        const int nvis = int(pos / B + 1), n = std::min(K, nvis);
+        for (int kk = 0; kk < n; ++kk) topk[r * K + kk] = nvis - n + kk;
+        pairs += double(pos + 1) - double(nvis - n) * B;
       } else {
-        pairs += pos + 1;
+        pairs += double(pos + 1);
       }
+      if (i == c.q_len - 1) keys_read += is_sparse_attend(c.op) ? std::min<double>(pos + 1, K * B) : pos + 1;
     }
+  std::mt19937_64 rng(1);
+  Buffer q, k, v, iq, ik, out, tk;
+  Tensors t;
+  const size_t es = dtype_size(c.dt);
   double flops = 0, bytes = 0;
   if (is_index(c.op)) {
-    fill(iq, c.dt, T * Hi * Di, rng);
-    fill(ik, c.dt, int64_t(npages) * P * Di, rng);
-    t.index_q = TensorView::contiguous(iq.data(), c.dt, cpu, {T, Hi, Di});
-    t.index_k_cache = TensorView::contiguous(ik.data(), c.dt, cpu, {npages, P, 1, Di});
-    t.topk = TensorView::contiguous(topk.data(), DType::i32, cpu, {Hi, T, K});
+    fill(rt, dev, iq, c.dt, T * Hi * Di, rng);
+    fill(rt, dev, ik, c.dt, int64_t(npages) * P * Di, rng);
+    fill(rt, dev, tk, DType::i32, int64_t(Hi) * T * K, rng);
+    t.index_q = TensorView::contiguous(iq.dev.data(), c.dt, dev, {T, Hi, Di});
+    t.index_k_cache = TensorView::contiguous(ik.dev.data(), c.dt, dev, {npages, P, 1, Di});
+    t.topk = TensorView::contiguous(tk.dev.data(), DType::i32, dev, {Hi, T, K});
     flops = 2 * pairs * Hi * Di;
-    bytes = double(c.batch) * c.kv_len * Di * dtype_size(c.dt);
+    bytes = keys_read * Di * es;
   } else {
-    fill(q, c.dt, T * Hq * D, rng);
-    fill(k, c.dt, int64_t(npages) * P * Hkv * D, rng);
-    fill(v, c.dt, int64_t(npages) * P * Hkv * D, rng);
-    out.resize(T * Hq * D * dtype_size(c.dt));
-    t.q = TensorView::contiguous(q.data(), c.dt, cpu, {T, Hq, D});
-    t.k_cache = TensorView::contiguous(k.data(), c.dt, cpu, {npages, P, Hkv, D});
-    t.v_cache = TensorView::contiguous(v.data(), c.dt, cpu, {npages, P, Hkv, D});
-    t.out = TensorView::contiguous(out.data(), c.dt, cpu, {T, Hq, D});
+    fill(rt, dev, q, c.dt, T * Hq * D, rng);
+    fill(rt, dev, k, c.dt, int64_t(npages) * P * Hkv * D, rng);
+    fill(rt, dev, v, c.dt, int64_t(npages) * P * Hkv * D, rng);
+    fill(rt, dev, out, c.dt, T * Hq * D, rng);
+    t.q = TensorView::contiguous(q.dev.data(), c.dt, dev, {T, Hq, D});
+    t.k_cache = TensorView::contiguous(k.dev.data(), c.dt, dev, {npages, P, Hkv, D});
+    t.v_cache = TensorView::contiguous(v.dev.data(), c.dt, dev, {npages, P, Hkv, D});
+    t.out = TensorView::contiguous(out.dev.data(), c.dt, dev, {T, Hq, D});
     if (is_sparse_attend(c.op)) {
-      // Selection: the last K visible blocks (ascending), i.e. local window of K blocks.
-      for (int b = 0; b < c.batch; ++b)
-        for (int i = 0; i < c.q_len; ++i) {
-          int64_t r = L.q_indptr[b] + i, pos = c.kv_len - c.q_len + i;
-          int nvis = int(pos / B + 1), n = std::min(K, nvis);
-          for (int kk = 0; kk < K; ++kk) topk[r * K + kk] = kk < n ? nvis - n + kk : -1;
-        }
-      t.topk = TensorView::contiguous(topk.data(), DType::i32, cpu, {Hi, T, K});
+      tk.dev = rt.allocate(dev, topk.size() * sizeof(int32_t));
+      rt.copy_to_device(tk.dev, topk.data(), topk.size() * sizeof(int32_t));
+      t.topk = TensorView::contiguous(tk.dev.data(), DType::i32, dev, {Hi, T, K});
     }
     flops = 4 * pairs * Hq * D;
-    // K and V read once per group (per query row for decode).
-    bytes = 2.0 * (pairs / std::max(1, c.q_len)) * Hkv * D * dtype_size(c.dt) *
-            (is_decode(c.op) ? 1 : 1);
+    bytes = 2 * keys_read * Hkv * D * es;
   }
-  Workspace ws(cpu, std::make_shared<HostMem>());
-  auto av = be.probe(p);
-  if (!av) throw InvalidArgument("bench: cpu backend unavailable: " + av.reason);
-  auto pl = be.plan(p, L, ws);
-  for (int i = 0; i < o.warmup; ++i) be.run(*pl, p, L, t, ws);
+  auto plan = rt.plan(p, L);  // once, like a forward pass reuses it over its layers
+  for (int i = 0; i < o.warmup; ++i) rt.run(*plan, t);
+  rt.synchronize(dev);
   std::vector<double> ts;
   for (int i = 0; i < o.repeat; ++i) {
-    auto t0 = Clock::now();
-    be.run(*pl, p, L, t, ws);
-    ts.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+    const auto t0 = Clock::now();
+    rt.run(*plan, t);
+    rt.synchronize(dev);
+    ts.push_back(seconds_since(t0));
   }
   std::sort(ts.begin(), ts.end());
-  double med = ts[ts.size() / 2];
-  double roof = std::max(flops / peak, bytes / bw);
-  return {{"case", c.name},       {"op", op_name(c.op)},   {"dtype", dtype_name(c.dt)},
-          {"batch", c.batch},     {"q_len", c.q_len},      {"kv_len", c.kv_len},
-          {"median_ms", med * 1e3}, {"gflops", flops / med / 1e9}, {"gbps", bytes / med / 1e9},
-          {"roofline_ms", roof * 1e3}, {"frac_roofline", roof / med}};
+  const double med = ts[ts.size() / 2];
+  const double roof = std::max(flops / ceil.fma, bytes / ceil.stream);
+  nlohmann::json r = {{"case", c.name},
+                      {"op", op_name(c.op)},
+                      {"dtype", dtype_name(c.dt)},
+                      {"backend", plan->backend()},
+                      {"batch", c.batch},
+                      {"q_len", c.q_len},
+                      {"kv_len", c.kv_len},
+                      {"median_ms", med * 1e3},
+                      {"min_ms", ts.front() * 1e3},
+                      {"ms_per_sequence", med * 1e3 / c.batch},
+                      {"gflop", flops / 1e9},
+                      {"mbytes", bytes / 1e6},
+                      {"gflops", flops / med / 1e9},
+                      {"gbps", bytes / med / 1e9},
+                      {"roofline_ms", roof * 1e3},
+                      {"bound", flops / ceil.fma >= bytes / ceil.stream ? "compute" : "memory"},
+                      {"frac_roofline", roof / med}};
+  r["frac_sgemm"] = ceil.sgemm > 0 ? nlohmann::json(flops / med / ceil.sgemm) : nlohmann::json();
+  return r;
+}
+
+std::vector<CaseSpec> cpu_m3_suite() {
+  std::vector<CaseSpec> cases;
+  for (DType dt : {DType::bf16, DType::f32}) {
+    cases.push_back({"dense extend 4096x4096", Op::dense_extend, dt, 1, 4096, 4096});
+    cases.push_back({"dense extend 1024@8k", Op::dense_extend, dt, 1, 1024, 8192});
+    cases.push_back({"dense decode 8x16k", Op::dense_decode, dt, 8, 1, 16384});
+    cases.push_back({"dense decode 1x16k", Op::dense_decode, dt, 1, 1, 16384});
+    cases.push_back({"index extend 1024@8k", Op::sparse_index_extend, dt, 1, 1024, 8192});
+    cases.push_back({"index decode 8x32k", Op::sparse_index_decode, dt, 8, 1, 32768});
+    cases.push_back({"sparse extend 1024@8k", Op::sparse_attend_extend, dt, 1, 1024, 8192});
+    cases.push_back({"sparse decode 8x32k", Op::sparse_attend_decode, dt, 8, 1, 32768});
+  }
+  return cases;
 }
 
 }  // namespace
@@ -196,54 +340,102 @@ nlohmann::json run_case(Backend& be, const CaseSpec& c, const BenchOpts& o, doub
 void add_bench_command(CLI::App& app) {
   auto o = std::make_shared<BenchOpts>();
   auto* cmd = app.add_subcommand("bench", "benchmark attention ops against measured ceilings");
-  cmd->add_option("--suite", o->suite, "named suite (cpu-m3) or 'custom'");
-  cmd->add_option("--op", o->op, "custom case op (e.g. dense_extend); implies --suite custom");
-  cmd->add_option("--batch", o->batch);
-  cmd->add_option("--q-len", o->q_len, "0: kv_len for extend, 1 for decode");
-  cmd->add_option("--kv-len", o->kv_len);
-  cmd->add_option("--dtype", o->dtype);
-  cmd->add_option("--repeat", o->repeat);
-  cmd->add_option("--warmup", o->warmup);
-  cmd->add_option("--threads", o->threads, "0: all cores");
-  cmd->add_flag("--json", o->json);
-  cmd->add_option("--backend", o->backend);
+  cmd->add_option("--suite", o->suite, "named suite: cpu-m3 (minimax-m3-tp4 shapes)")
+      ->capture_default_str();
+  cmd->add_option("--op", o->op, "a single custom case of this op (e.g. dense_extend)");
+  cmd->add_option("--batch", o->batch, "custom case: requests")->capture_default_str();
+  cmd->add_option("--q-len", o->q_len, "custom case: query tokens (0: kv_len for extend)");
+  cmd->add_option("--kv-len", o->kv_len, "custom case: context length")->capture_default_str();
+  cmd->add_option("--dtype", o->dtype, "custom case: f32, f16 or bf16")->capture_default_str();
+  cmd->add_option("--repeat", o->repeat, "timed runs per case (median reported)")
+      ->capture_default_str();
+  cmd->add_option("--warmup", o->warmup, "untimed runs per case first")->capture_default_str();
+  cmd->add_option("--threads", o->threads, "cpu threads (0: ATTNRT_NUM_THREADS or all cores)");
+  cmd->add_option("--backend", o->backend, "backend to force (fails if it cannot serve)")
+      ->capture_default_str();
+  cmd->add_option("--device", o->device, "cpu or cuda:N")->capture_default_str();
+  cmd->add_flag("--json", o->json, "machine-readable output");
   cmd->callback([o] {
-    if (o->backend != "cpu") throw InvalidArgument("bench: --backend '" + o->backend +
-                                                   "' not supported yet (expected cpu)");
-    int threads = o->threads > 0 ? o->threads : int(std::max(1u, std::thread::hardware_concurrency()));
-    auto be = make_cpu_backend(threads);
+    if (o->repeat < 1) throw InvalidArgument("bench: --repeat " + std::to_string(o->repeat) + " (expected >= 1)");
+    if (o->warmup < 0) throw InvalidArgument("bench: --warmup " + std::to_string(o->warmup) + " (expected >= 0)");
+    if (o->threads < 0) throw InvalidArgument("bench: --threads " + std::to_string(o->threads) + " (expected >= 0)");
+    RuntimeOptions ro;
+    ro.force_backend = o->backend;
+    if (o->threads > 0) ro.num_threads = o->threads;
+    Runtime rt(ro);
+    const Device dev = Device::parse(o->device);
+    int threads = o->threads;
+    if (threads == 0) {
+      const char* env = std::getenv("ATTNRT_NUM_THREADS");
+      threads = env && std::atoi(env) > 0 ? std::atoi(env)
+                                          : int(std::max(1u, std::thread::hardware_concurrency()));
+    }
     std::vector<CaseSpec> cases;
     if (!o->op.empty()) {
-      Op op = parse_op(o->op);
-      int ql = is_decode(op) ? 1 : (o->q_len > 0 ? o->q_len : o->kv_len);
+      const Op op = parse_op(o->op);
+      if (o->batch < 1 || o->kv_len < 1)
+        throw InvalidArgument("bench: --batch and --kv-len must be >= 1");
+      const int ql = is_decode(op) ? 1 : (o->q_len > 0 ? o->q_len : o->kv_len);
+      if (ql > o->kv_len) throw InvalidArgument("bench: --q-len " + std::to_string(ql) + " > --kv-len");
       cases.push_back({"custom", op, parse_dtype(o->dtype, "--dtype"), o->batch, ql, o->kv_len});
     } else if (o->suite == "cpu-m3") {
-      for (DType dt : {DType::bf16, DType::f32}) {
-        cases.push_back({"dense extend 4096x4096", Op::dense_extend, dt, 1, 4096, 4096});
-        cases.push_back({"dense decode 8x16k", Op::dense_decode, dt, 8, 1, 16384});
-        cases.push_back({"index extend 1024@8k", Op::sparse_index_extend, dt, 1, 1024, 8192});
-        cases.push_back({"sparse extend 1024@8k", Op::sparse_attend_extend, dt, 1, 1024, 8192});
-        cases.push_back({"sparse decode 8x32k", Op::sparse_attend_decode, dt, 8, 1, 32768});
-      }
+      cases = cpu_m3_suite();
     } else {
       throw InvalidArgument("bench: --suite '" + o->suite + "' unknown (expected cpu-m3)");
     }
-    const double peak = measure_peak(threads), bw = measure_bw(threads);
-    nlohmann::json res = {{"threads", threads}, {"fma_peak_gflops", peak / 1e9},
-                          {"stream_read_gbps", bw / 1e9}, {"cases", nlohmann::json::array()}};
-    for (auto& c : cases) res["cases"].push_back(run_case(*be, c, *o, peak, bw));
+    Ceilings ceil;
+    std::string isa, blas_note;
+    ceil.fma = measure_fma_peak(threads, &isa);
+    ceil.sgemm = measure_sgemm(threads, &blas_note);
+    ceil.stream = measure_stream_read(threads);
+    nlohmann::json res = {{"threads", threads},
+                          {"backend", o->backend},
+                          {"device", dev.str()},
+                          {"fma_peak_gflops", ceil.fma / 1e9},
+                          {"fma_isa", isa},
+                          {"sgemm_gflops", ceil.sgemm / 1e9},
+                          {"sgemm_note", blas_note},
+                          {"stream_read_gbps", ceil.stream / 1e9},
+                          {"cases", nlohmann::json::array()}};
+    for (auto& c : cases) res["cases"].push_back(run_case(rt, dev, c, *o, ceil));
+    // Sparse attend extend vs (selected fraction x dense extend) at the same shape (issue 4).
+    nlohmann::json derived = nlohmann::json::array();
+    for (auto& sp : res["cases"])
+      for (auto& dn : res["cases"])
+        if (sp["op"] == "sparse_attend_extend" && dn["op"] == "dense_extend" &&
+            sp["dtype"] == dn["dtype"] && sp["q_len"] == dn["q_len"] &&
+            sp["kv_len"] == dn["kv_len"] && sp["batch"] == dn["batch"]) {
+          const double frac = sp["gflop"].get<double>() / dn["gflop"].get<double>();
+          derived.push_back({{"dtype", sp["dtype"]},
+                             {"selected_fraction", frac},
+                             {"sparse_over_fraction_x_dense",
+                              sp["median_ms"].get<double>() / (frac * dn["median_ms"].get<double>())}});
+        }
+    res["sparse_vs_dense"] = derived;
     if (o->json) {
       std::cout << res.dump(2) << "\n";
       return;
     }
-    std::printf("threads %d  fp32 FMA peak %.1f GFLOP/s  stream read %.1f GB/s\n", threads,
-                peak / 1e9, bw / 1e9);
-    std::printf("%-24s %-5s %10s %10s %8s %10s\n", "case", "dtype", "median_ms", "GFLOP/s",
-                "GB/s", "%roofline");
-    for (auto& r : res["cases"])
-      std::printf("%-24s %-5s %10.2f %10.1f %8.1f %9.1f%%\n",
+    std::printf("backend %s  threads %d  fp32 FMA peak %.1f GFLOP/s (%s)  sgemm %.1f GFLOP/s (%s)"
+                "  stream read %.1f GB/s\n",
+                o->backend.c_str(), threads, ceil.fma / 1e9, isa.c_str(), ceil.sgemm / 1e9,
+                blas_note.c_str(), ceil.stream / 1e9);
+    std::printf("%-24s %-5s %10s %9s %9s %8s %8s %7s\n", "case", "dtype", "median_ms", "ms/seq",
+                "GFLOP/s", "GB/s", "%roof", "%sgemm");
+    for (auto& r : res["cases"]) {
+      char sg[16] = "-";
+      if (!r["frac_sgemm"].is_null())
+        std::snprintf(sg, sizeof sg, "%.1f%%", 100 * r["frac_sgemm"].get<double>());
+      std::printf("%-24s %-5s %10.2f %9.3f %9.1f %8.1f %7.1f%% %7s\n",
                   r["case"].get<std::string>().c_str(), r["dtype"].get<std::string>().c_str(),
-                  r["median_ms"].get<double>(), r["gflops"].get<double>(),
-                  r["gbps"].get<double>(), 100 * r["frac_roofline"].get<double>());
+                  r["median_ms"].get<double>(), r["ms_per_sequence"].get<double>(),
+                  r["gflops"].get<double>(), r["gbps"].get<double>(),
+                  100 * r["frac_roofline"].get<double>(), sg);
+    }
+    for (auto& d : res["sparse_vs_dense"])
+      std::printf("sparse extend %s: %.2fx (selected fraction %.3f x dense extend time)\n",
+                  d["dtype"].get<std::string>().c_str(),
+                  d["sparse_over_fraction_x_dense"].get<double>(),
+                  d["selected_fraction"].get<double>());
   });
 }
