@@ -109,9 +109,19 @@ void run(const RunOptions& o) {
 void run_resolved(const RunOptions& o, const attnrt::ModelConfig& m) {
   const DType dt = attnrt::parse_dtype(o.dtype, "--dtype");
   if (dt == DType::i32) throw attnrt::InvalidArgument("--dtype: got i32, expected f32, f16 or bf16");
-  const attnrt::Device dev = attnrt::Device::parse(o.device);
+  attnrt::Device dev = attnrt::Device::parse(o.device);
   const attnrt::Device host = attnrt::Device::cpu();
   attnrt::Runtime rt;
+  const std::vector<attnrt::Device> devices = rt.devices();
+  if (std::find(devices.begin(), devices.end(), dev) == devices.end()) {
+    // A requested accelerator that no backend can serve: run on the host, say so once.
+    std::string why = "no backend serves it";
+    for (const auto& r : rt.report().plugins)
+      if (!r.loaded) why = r.name + ": " + r.reason;
+    std::fprintf(stderr, "attnrt: %s is not available (%s); running on cpu instead\n", dev.str().c_str(),
+                 why.c_str());
+    dev = host;
+  }
 
   const int L = o.layers > 0 ? std::min(o.layers, m.num_layers) : m.num_layers;
   int ps = o.page_size;
@@ -352,7 +362,7 @@ void run_resolved(const RunOptions& o, const attnrt::ModelConfig& m) {
 void add_run_command(CLI::App& app) {
   auto o = std::make_shared<RunOptions>();
   auto* sub = app.add_subcommand("run", "Forward pass of attention over every layer of a model");
-  sub->add_option("--model", o->model, "Preset name or config.json path")->capture_default_str();
+  sub->add_option("--model", o->model, "Preset (minimax-m3, minimax-m3-tp4, tiny) or a config.json path or its folder")->capture_default_str();
   sub->add_option("--batch", o->batch, "Requests in the batch")->capture_default_str();
   sub->add_option("--prompt-len", o->prompt_len, "Prompt tokens per request (0: (topk + 4) * block_size, 512 if dense)")->capture_default_str();
   sub->add_option("--decode-steps", o->decode_steps, "Decode steps after prefill")->capture_default_str();
@@ -360,7 +370,7 @@ void add_run_command(CLI::App& app) {
                   "KV page size (0: backend's preferred, 128 for sparse models)")
       ->capture_default_str();
   sub->add_option("--dtype", o->dtype, "f32, f16 or bf16")->capture_default_str();
-  sub->add_option("--device", o->device, "cpu or cuda:N")->capture_default_str();
+  sub->add_option("--device", o->device, "cpu or cuda:N; a device no backend serves falls back to cpu with one line saying why")->capture_default_str();
   sub->add_option("--seed", o->seed, "Random seed")->capture_default_str();
   sub->add_option("--layers", o->layers, "Run only the first N layers (0: all)")->capture_default_str();
   sub->add_flag("--check", o->check, "Compare every layer with the reference backend");
