@@ -105,6 +105,73 @@ std::unique_ptr<BackendPlan> plan_of(Backend& be, const Problem& p, const BatchL
   return be.plan(p, L, ws);
 }
 
+// Runs one attention problem on the cpu backend and checks it against naive_attend: tolerance,
+// no NaN, bit-identical repeat. minimal_selection: sparse rows select only their own block.
+void check_attend(Backend& be, Workspace& ws, const Problem& p, const Case& c,
+                  std::mt19937_64& rng, bool minimal_selection = false) {
+  const bool sparse = is_sparse_attend(p.op);
+  const BatchLayout& L = c.layout;
+  const int64_t T = L.total_q();
+  const int D = p.head_dim;
+  HostTensor q(p.q_dtype, {T, p.num_q_heads, D});
+  HostTensor k(p.kv_dtype, {c.num_pages, p.page_size, p.num_kv_heads, D});
+  HostTensor v(p.kv_dtype, {c.num_pages, p.page_size, p.num_kv_heads, D});
+  HostTensor sink(DType::f32, {p.num_q_heads});
+  HostTensor topk(DType::i32, {std::max(1, p.num_index_heads), T, std::max(1, p.topk)});
+  fill_normal(q, rng);
+  fill_normal(k, rng);
+  fill_normal(v, rng);
+  fill_normal(sink, rng);
+  // Random legal selections: ascending unique visible block ids, own block always in.
+  for (int b = 0; sparse && b < L.num_requests(); ++b)
+    for (int64_t r = L.q_indptr[b]; r < L.q_indptr[b + 1]; ++r) {
+      int64_t pos = L.kv_len[b] - L.q_len[b] + (r - L.q_indptr[b]);
+      int nvis = static_cast<int>(pos / p.block_size + 1);
+      for (int h = 0; h < p.num_index_heads; ++h) {
+        std::vector<int32_t> ids(nvis);
+        std::iota(ids.begin(), ids.end(), 0);
+        std::shuffle(ids.begin(), ids.end() - 1, rng);
+        std::swap(ids[0], ids.back());
+        int n = minimal_selection ? 1 : std::min(p.topk, nvis);
+        std::sort(ids.begin(), ids.begin() + n);
+        auto* o = static_cast<int32_t*>(topk.view.data);
+        for (int kk = 0; kk < p.topk; ++kk) o[topk.view.offset({h, r, kk})] = kk < n ? ids[kk] : -1;
+      }
+    }
+  HostTensor out(p.q_dtype, {T, p.num_q_heads, D}), lse(DType::f32, {T, p.num_q_heads});
+  HostTensor ro(p.q_dtype, {T, p.num_q_heads, D}), rl(DType::f32, {T, p.num_q_heads});
+  poison(out);
+  poison(lse);
+  Tensors t;
+  t.q = q.view;
+  t.k_cache = k.view;
+  t.v_cache = v.view;
+  t.out = out.view;
+  t.lse = lse.view;
+  if (p.has_sink) t.sink = sink.view;
+  if (sparse) t.topk = topk.view;
+  auto pl = plan_of(be, p, L, ws);
+  be.run(*pl, p, L, t, ws);
+  naive_attend(p, L, q, k, v, p.has_sink ? &sink : nullptr, sparse ? &topk : nullptr, ro, rl);
+  SCOPED_TRACE(p.describe());
+  EXPECT_FALSE(has_nan(out));
+  if (p.q_dtype == DType::f32) {
+    EXPECT_LE(rel_l2(out, ro), 1e-5);
+  } else {
+    EXPECT_TRUE(allclose(out, ro, 5e-3, 5e-3)) << max_abs_diff(out, ro);
+  }
+  EXPECT_LE(max_abs_diff(lse, rl), 1e-3);
+  // Bit-identical repeat, lse included.
+  HostTensor out2(p.q_dtype, {T, p.num_q_heads, D}), lse2(DType::f32, {T, p.num_q_heads});
+  poison(out2);
+  poison(lse2);
+  t.out = out2.view;
+  t.lse = lse2.view;
+  be.run(*pl, p, L, t, ws);
+  EXPECT_EQ(0, std::memcmp(out.view.data, out2.view.data, out.bytes.size()));
+  EXPECT_EQ(0, std::memcmp(lse.view.data, lse2.view.data, lse.bytes.size()));
+}
+
 TEST(CpuParity, AttendSweep) {
   const uint64_t seed = fresh_seed();
   SCOPED_TRACE("seed " + std::to_string(seed));
@@ -112,81 +179,67 @@ TEST(CpuParity, AttendSweep) {
   auto be = make_cpu_backend(2);
   Workspace ws(Device::cpu(), std::make_shared<HostMem>());
   const int page_sizes[] = {1, 16, 64, 128};
-  for (int it = 0; it < 12; ++it) {
+  const DType dtypes[] = {DType::bf16, DType::f32, DType::f16};
+  for (int it = 0; it < 18; ++it) {
     Problem p;
     const bool sparse = it % 2 == 1;
     const bool decode = it % 4 >= 2;
     p.op = sparse ? (decode ? Op::sparse_attend_decode : Op::sparse_attend_extend)
                   : (decode ? Op::dense_decode : Op::dense_extend);
-    p.q_dtype = p.kv_dtype = (it % 3 == 0) ? DType::bf16 : DType::f32;
+    p.q_dtype = p.kv_dtype = dtypes[it % 3];
     p.page_size = page_sizes[it % 4];
     p.num_kv_heads = 1 + static_cast<int>(rng() % 2);
     const int G = 1 << (rng() % 5);
     p.num_q_heads = p.num_kv_heads * G;
-    p.head_dim = (it % 5 == 0) ? 128 : 64;
+    p.head_dim = (it % 5 == 0) ? 128 : (it % 7 == 3 ? 40 : 64);
     p.has_sink = rng() % 2;
     p.write_lse = true;
     p.block_size = 16;
     p.topk = 1 + static_cast<int>(rng() % 8);
     p.num_index_heads = p.num_kv_heads * (1 + static_cast<int>(rng() % 2));
     Case c = make_case(rng, p.page_size, 1 + static_cast<int>(rng() % 4), decode, 150);
-    const BatchLayout& L = c.layout;
-    const int64_t T = L.total_q();
-    const int D = p.head_dim;
-    HostTensor q(p.q_dtype, {T, p.num_q_heads, D});
-    HostTensor k(p.kv_dtype, {c.num_pages, p.page_size, p.num_kv_heads, D});
-    HostTensor v(p.kv_dtype, {c.num_pages, p.page_size, p.num_kv_heads, D});
-    HostTensor sink(DType::f32, {p.num_q_heads});
-    HostTensor topk(DType::i32, {p.num_index_heads, T, p.topk});
-    fill_normal(q, rng);
-    fill_normal(k, rng);
-    fill_normal(v, rng);
-    fill_normal(sink, rng);
-    // Random legal selections: ascending unique visible block ids, own block always in.
-    for (int b = 0; b < L.num_requests(); ++b)
-      for (int64_t r = L.q_indptr[b]; r < L.q_indptr[b + 1]; ++r) {
-        int64_t pos = L.kv_len[b] - L.q_len[b] + (r - L.q_indptr[b]);
-        int nvis = static_cast<int>(pos / p.block_size + 1);
-        for (int h = 0; h < p.num_index_heads; ++h) {
-          std::vector<int32_t> ids(nvis);
-          std::iota(ids.begin(), ids.end(), 0);
-          std::shuffle(ids.begin(), ids.end() - 1, rng);
-          std::swap(ids[0], ids.back());
-          int n = std::min(p.topk, nvis);
-          std::sort(ids.begin(), ids.begin() + n);
-          auto* o = static_cast<int32_t*>(topk.view.data);
-          for (int kk = 0; kk < p.topk; ++kk) o[topk.view.offset({h, r, kk})] = kk < n ? ids[kk] : -1;
-        }
-      }
-    HostTensor out(p.q_dtype, {T, p.num_q_heads, D}), lse(DType::f32, {T, p.num_q_heads});
-    HostTensor ro(p.q_dtype, {T, p.num_q_heads, D}), rl(DType::f32, {T, p.num_q_heads});
-    poison(out);
-    poison(lse);
-    Tensors t;
-    t.q = q.view;
-    t.k_cache = k.view;
-    t.v_cache = v.view;
-    t.out = out.view;
-    t.lse = lse.view;
-    if (p.has_sink) t.sink = sink.view;
-    if (sparse) t.topk = topk.view;
-    auto pl = plan_of(*be, p, L, ws);
-    be->run(*pl, p, L, t, ws);
-    naive_attend(p, L, q, k, v, p.has_sink ? &sink : nullptr, sparse ? &topk : nullptr, ro, rl);
-    SCOPED_TRACE(p.describe());
-    EXPECT_FALSE(has_nan(out));
-    if (p.q_dtype == DType::f32) {
-      EXPECT_LE(rel_l2(out, ro), 1e-5);
-    } else {
-      EXPECT_TRUE(allclose(out, ro, 5e-3, 5e-3)) << max_abs_diff(out, ro);
+    check_attend(*be, ws, p, c, rng);
+  }
+}
+
+// Long-context decode with few requests: the plan splits the keys (split-KV) and merges the
+// partial results by their lse. Every dtype; GQA 16:1 and 4:1; sparse rows that select only a
+// 2-token block, so most splits are empty (they must contribute nothing and never NaN).
+TEST(CpuParity, SplitKvDecode) {
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  auto be = make_cpu_backend(2);
+  Workspace ws(Device::cpu(), std::make_shared<HostMem>());
+  const DType dtypes[] = {DType::f32, DType::bf16, DType::f16};
+  for (int it = 0; it < 8; ++it) {
+    Problem p;
+    const bool sparse = it % 2 == 1;
+    p.op = sparse ? Op::sparse_attend_decode : Op::dense_decode;
+    p.q_dtype = p.kv_dtype = dtypes[it % 3];
+    p.page_size = it % 4 < 2 ? 16 : 128;
+    p.num_kv_heads = 1;
+    p.num_q_heads = it % 3 == 2 ? 4 : 16;
+    p.head_dim = 128;
+    p.has_sink = it % 4 == 3;
+    p.write_lse = true;
+    p.block_size = 64;
+    p.topk = 32;
+    p.num_index_heads = 1;
+    const int nreq = 1 + static_cast<int>(rng() % 2);
+    std::vector<int32_t> ql(nreq, 1), kl;
+    for (int b = 0; b < nreq; ++b)
+      kl.push_back(it == 7 ? 64 * 60 + 2 : 3000 + static_cast<int>(rng() % 6000));
+    int total = 0;
+    std::vector<std::vector<int32_t>> pages;
+    for (int kv : kl) {
+      std::vector<int32_t> pg((kv + p.page_size - 1) / p.page_size);
+      for (auto& x : pg) x = total++;
+      std::shuffle(pg.begin(), pg.end(), rng);
+      pages.push_back(pg);
     }
-    EXPECT_LE(max_abs_diff(lse, rl), 1e-3);
-    // Bit-identical repeat.
-    HostTensor out2(p.q_dtype, {T, p.num_q_heads, D});
-    poison(out2);
-    t.out = out2.view;
-    be->run(*pl, p, L, t, ws);
-    EXPECT_EQ(0, std::memcmp(out.view.data, out2.view.data, out.bytes.size()));
+    Case c{BatchLayout::make(p.page_size, ql, kl, pages), total};
+    check_attend(*be, ws, p, c, rng, /*minimal_selection=*/it == 7);
   }
 }
 
@@ -200,7 +253,7 @@ TEST(CpuParity, IndexTopkAsSet) {
     Problem p;
     const bool decode = it % 2;
     p.op = decode ? Op::sparse_index_decode : Op::sparse_index_extend;
-    p.q_dtype = p.kv_dtype = it % 3 == 0 ? DType::bf16 : DType::f32;
+    p.q_dtype = p.kv_dtype = it % 3 == 0 ? DType::bf16 : (it % 3 == 1 ? DType::f32 : DType::f16);
     p.page_size = (it % 4 == 0) ? 1 : 16;
     p.num_index_heads = 1 + static_cast<int>(rng() % 3);
     p.index_dim = 64;
