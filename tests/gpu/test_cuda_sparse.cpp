@@ -625,6 +625,7 @@ TEST(CudaSparse, IndexerMatchesReference) {
     check_topk(B, S, topk, ref_scores(B, S), &ties);
     std::printf("indexer case %d: %d near-tie rows of %lld\n", it, ties,
                 static_cast<long long>(B.T * B.hidx));
+    std::fflush(stdout);
     ++it;
   }
 }
@@ -673,6 +674,7 @@ TEST(CudaSparse, AttendMatchesReference) {
     double w = 0;
     expect_close(B, S, got, ro, rl, &w);
     std::printf("attend case %d: max abs err %.2e\n", it, w);
+    std::fflush(stdout);
     ++it;
   }
 }
@@ -739,6 +741,7 @@ TEST(CudaSparse, ShortContextEqualsDense) {
       worst = std::max(worst, std::fabs(double(B.dec(sp.o[i])) - B.dec(dn.o[i])));
     EXPECT_LT(worst, 1e-2) << "sparse vs plugin dense";
     std::printf("short context (decode %d): sparse vs plugin dense max abs diff %.2e\n", decode, worst);
+    std::fflush(stdout);
   }
 }
 
@@ -762,6 +765,7 @@ TEST(CudaSparse, LongContextDecode) {
   double w = 0;
   expect_close(B, S, got, ro, rl, &w);
   std::printf("long context %d: near-tie rows %d, max abs err %.2e\n", ctx, ties, w);
+  std::fflush(stdout);
 }
 
 // M3 per-rank timings (ATTNRT_GPU_BENCH=1): indexer, attend, their sum, and the plugin's dense
@@ -807,6 +811,7 @@ TEST(CudaSparse, BenchM3) {
     std::printf("BENCH %-20s indexer %8.4f ms (%5.2f TB/s idx-K)  attend %8.4f ms  sum %8.4f ms  "
                 "dense %8.4f ms  dense/sum %.2fx\n",
                 s.name, ti, ik_bytes / ti / 1e9, ta, ti + ta, td, td / (ti + ta));
+    std::fflush(stdout);
   }
 }
 

@@ -140,13 +140,14 @@ __global__ void __launch_bounds__(kThreads) index_score_kernel(IndexArgs a) {
 #pragma unroll
       for (int o = TPR / 2; o > 0; o >>= 1) cm = fmaxf(cm, __shfl_xor_sync(0xffffffffu, cm, o));
       const float mn = fmaxf(m, cm);
-      if (a.score_lse && mn != -INFINITY) {
+      if (a.score_lse) {  // uniform branch: every lane reaches the full-warp shuffles
+        const bool live = mn != -INFINITY;  // padding rows stay -inf without NaN
         float cs = 0.f;
 #pragma unroll
-        for (int i = 0; i < KPT; ++i) cs += exp2f(s[i] - mn);
+        for (int i = 0; i < KPT; ++i) cs += live ? exp2f(s[i] - mn) : 0.f;
 #pragma unroll
         for (int o = TPR / 2; o > 0; o >>= 1) cs += __shfl_xor_sync(0xffffffffu, cs, o);
-        l = l * exp2f(m - mn) + cs;
+        if (live) l = l * exp2f(m - mn) + cs;
       }
       m = mn;
     }
