@@ -560,9 +560,9 @@ class CpuBackend final : public Backend {
   void plan_attend(const Problem& p, const BatchLayout& L, CpuPlan& pl) const {
     const int Hkv = p.num_kv_heads, G = p.num_q_heads / Hkv, D = p.head_dim;
     const bool sparse = is_sparse_attend(p.op);
-    // Dense extend shares keys between consecutive tokens; sparse rows have their own
-    // selections, and decode has one token per request.
-    const int QT = (p.op == Op::dense_extend) ? std::max(1, kMaxRows / G) : 1;
+    // Extend: QT consecutive tokens per item (they share keys; sparse ones when their
+    // selections agree). Decode: one token per request.
+    const int QT = is_decode(p.op) ? 1 : std::max(1, kMaxRows / G);
     pl.rows_per_item = QT * G;
     pl.MV = static_cast<int>((pl.rows_per_item + 15) / 16);
     const int Mp = 16 * pl.MV;
@@ -650,12 +650,54 @@ class CpuBackend final : public Backend {
                         + Mp + kKeyTile + 64;
   }
 
-  // One attention work item: its rows against its keys (its split of them, for split decode).
+  // One attention work item. Sparse rows of the item are processed in runs of consecutive
+  // tokens with the same selection (tokens of one block usually select the same blocks), so such
+  // a run shares every K/V tile like dense extend does.
   void attend_item(const CpuPlan& cp, const Problem& p, const BatchLayout& L, const Tensors& t,
                    const Item& it, float* scratch, float* partials) const {
+    if (!is_sparse_attend(p.op)) {
+      attend_rows(cp, p, L, t, it, it.row0, it.nrows, {}, scratch, partials);
+      return;
+    }
+    const int R = p.num_index_heads / p.num_kv_heads, K = p.topk;
+    auto selection = [&](int64_t row, std::vector<int32_t>& sel) {
+      sel.clear();
+      for (int i = 0; i < R; ++i) {
+        const int32_t* ids =
+            t.topk.ptr<int32_t>() + (it.g * R + i) * t.topk.strides[0] + row * t.topk.strides[1];
+        for (int k = 0; k < K; ++k) {
+          const int32_t c = ids[k * t.topk.strides[2]];
+          if (c >= 0) sel.push_back(c);
+        }
+      }
+      std::sort(sel.begin(), sel.end());
+      sel.erase(std::unique(sel.begin(), sel.end()), sel.end());
+    };
+    std::vector<int32_t> sel, next;
+    sel.reserve(static_cast<size_t>(R) * K);
+    next.reserve(static_cast<size_t>(R) * K);
+    selection(it.row0, sel);
+    int tok0 = 0;
+    while (tok0 < it.nrows) {
+      int tok1 = tok0 + 1;
+      for (; tok1 < it.nrows; ++tok1) {
+        selection(it.row0 + tok1, next);
+        if (next != sel) break;
+      }
+      attend_rows(cp, p, L, t, it, it.row0 + tok0, tok1 - tok0, sel, scratch, partials);
+      sel.swap(next);
+      tok0 = tok1;
+    }
+  }
+
+  // Rows row0 .. row0+nrows-1 of an item against their keys (their split of them, for split
+  // decode); sparse rows all use the selection `sel` (ascending unique block ids).
+  void attend_rows(const CpuPlan& cp, const Problem& p, const BatchLayout& L, const Tensors& t,
+                   const Item& it, int64_t row0, int nrows, const std::vector<int32_t>& sel,
+                   float* scratch, float* partials) const {
     const int Hkv = p.num_kv_heads, G = p.num_q_heads / Hkv, D = p.head_dim;
-    const int MV = cp.MV, Mp = 16 * MV;
-    const int M = it.nrows * G;
+    const int MV = (nrows * G + 15) / 16, Mp = 16 * MV;  // <= cp.MV
+    const int M = nrows * G;
     const int b = it.b, g = it.g;
     float* qT = scratch;
     float* oT = qT + static_cast<size_t>(D) * Mp;
@@ -667,41 +709,29 @@ class CpuBackend final : public Backend {
     int32_t* rowpos = reinterpret_cast<int32_t*>(l + Mp);
     int32_t* jpos = rowpos + Mp;
 
-    const int64_t first_pos = L.kv_len[b] - L.q_len[b] + (it.row0 - L.q_indptr[b]);
+    const int64_t first_pos = L.kv_len[b] - L.q_len[b] + (row0 - L.q_indptr[b]);
     const float qscale = p.effective_sm_scale() * kLog2e;
     std::fill(qT, qT + static_cast<size_t>(D) * Mp, 0.f);
     std::fill(oT, oT + static_cast<size_t>(D) * Mp, 0.f);
     for (int r = 0; r < Mp; ++r) {
-      const int tok = std::min(r / G, it.nrows - 1);
+      const int tok = std::min(r / G, nrows - 1);
       rowpos[r] = static_cast<int32_t>(first_pos + tok);
       m[r] = kNegInf;
       l[r] = 0.f;
     }
     for (int r = 0; r < M; ++r) {
       const int tok = r / G, h = r % G;
-      const int64_t off = (it.row0 + tok) * t.q.strides[0] + (g * G + h) * t.q.strides[1];
+      const int64_t off = (row0 + tok) * t.q.strides[0] + (g * G + h) * t.q.strides[1];
       for (int x = 0; x < D; ++x) qT[x * Mp + r] = load_as_f32(t.q.data, p.q_dtype, off + x) * qscale;
     }
-    const int64_t last = std::min<int64_t>(first_pos + it.nrows - 1, L.kv_len[b] - 1);
+    const int64_t last = std::min<int64_t>(first_pos + nrows - 1, L.kv_len[b] - 1);
 
     // Key segments of this item.
     std::vector<std::pair<int64_t, int64_t>> segs;
     if (!is_sparse_attend(p.op)) {
       segs.emplace_back(0, last + 1);
     } else {
-      const int R = p.num_index_heads / Hkv, K = p.topk, B = p.block_size;
-      std::vector<int32_t> sel;
-      sel.reserve(static_cast<size_t>(R) * K);
-      for (int i = 0; i < R; ++i) {
-        const int32_t* ids =
-            t.topk.ptr<int32_t>() + (g * R + i) * t.topk.strides[0] + it.row0 * t.topk.strides[1];
-        for (int k = 0; k < K; ++k) {
-          const int32_t c = ids[k * t.topk.strides[2]];
-          if (c >= 0) sel.push_back(c);
-        }
-      }
-      std::sort(sel.begin(), sel.end());
-      sel.erase(std::unique(sel.begin(), sel.end()), sel.end());
+      const int B = p.block_size;
       for (int32_t c : sel) {
         const int64_t j0 = static_cast<int64_t>(c) * B;
         const int64_t j1 = std::min<int64_t>(j0 + B, last + 1);
@@ -743,7 +773,7 @@ class CpuBackend final : public Backend {
       std::memcpy(slot + 2 * Mp, oT, sizeof(float) * D * Mp);
       return;
     }
-    for (int r = 0; r < M; ++r) finalize_row(p, t, it.row0 + r / G, g * G + r % G, m[r], l[r], oT + r, Mp);
+    for (int r = 0; r < M; ++r) finalize_row(p, t, row0 + r / G, g * G + r % G, m[r], l[r], oT + r, Mp);
   }
 
   // Sink, normalisation, output and lse of one (row, q head); o[x * stride] is unnormalised.
