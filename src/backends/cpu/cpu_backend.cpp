@@ -494,6 +494,38 @@ int fill_tile(KeyCursor& cur, const TensorView& kc, const TensorView* vc, DType 
   return n;
 }
 
+// Prefetches the cache rows of the next tile `cur` would produce (a copy of the cursor), so
+// that DRAM reads overlap the current tile's compute; pages are scattered, so the hardware
+// prefetcher restarts at every page.
+void prefetch_tile(KeyCursor cur, const TensorView& kc, const TensorView* vc, const BatchLayout& L,
+                   int b, int g, int D) {
+  int n = 0;
+  const int P = L.page_size;
+  const int32_t* pages = L.page_ids.data() + L.page_indptr[b];
+  const int64_t row_bytes = static_cast<int64_t>(D) * dtype_size(kc.dtype);
+  while (n < kKeyTile && !cur.done()) {
+    const int64_t end = cur.seg[cur.si].second;
+    const int64_t in_page = cur.j % P;
+    const int run = static_cast<int>(std::min<int64_t>({end - cur.j, kKeyTile - n, P - in_page}));
+    const int64_t page = pages[cur.j / P];
+    for (const TensorView* c : {&kc, vc}) {
+      if (!c) continue;
+      const int64_t off = page * c->strides[0] + in_page * c->strides[1] + g * c->strides[2];
+      const char* base = elem_ptr(*c, off);
+      const int64_t stride = c->strides[1] * static_cast<int64_t>(dtype_size(c->dtype));
+      for (int i = 0; i < run; ++i)
+        for (int64_t x = 0; x < row_bytes; x += 64) __builtin_prefetch(base + i * stride + x);
+    }
+    n += run;
+    cur.j += run;
+    if (cur.j >= end) {
+      ++cur.si;
+      while (cur.si < cur.nseg && cur.seg[cur.si].first >= cur.seg[cur.si].second) ++cur.si;
+      if (cur.si < cur.nseg) cur.j = cur.seg[cur.si].first;
+    }
+  }
+}
+
 class CpuBackend final : public Backend {
  public:
   explicit CpuBackend(int threads) : pool_(threads) {}
@@ -764,6 +796,7 @@ class CpuBackend final : public Backend {
     while (!cur.done()) {
       int npad = 0;
       fill_tile(cur, t.k_cache, &t.v_cache, p.kv_dtype, L, b, g, D, kt, vt, jpos, &npad);
+      prefetch_tile(cur, t.k_cache, &t.v_cache, L, b, g, D);
       attend_tile(MV, st, kt, vt, jpos, npad, sT);
     }
     if (it.partial >= 0) {
@@ -862,6 +895,7 @@ class CpuBackend final : public Backend {
       int npad = 0;
       const int n = fill_tile(cur, t.index_k_cache, nullptr, p.kv_dtype, L, b, 0, Di, kt, nullptr,
                               jpos, &npad);
+      prefetch_tile(cur, t.index_k_cache, nullptr, L, b, 0, Di);
       index_tile(MV, qT, Di, rowpos, kt, jpos, npad, n, sT, B, lse, bm, bsum);
     }
     for (int r = 0; r < M; ++r) {
