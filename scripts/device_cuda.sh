@@ -1,11 +1,41 @@
 #!/usr/bin/env bash
-# On the GPU machine: GPU tests, attnrt's timings, then PyTorch side by side. Logs under $OUT.
-# Usage (from the repo root, build-d carried): scripts/device_cuda.sh
+# On the GPU machine: the GPU test suites (dense, sparse), memcheck over the dense suite, attnrt's
+# own timings, `attnrt doctor` / `attnrt run --device cuda:0 --check`, then the PyTorch side by
+# side. Logs under $OUT. Binaries come from the dev box: carry build/bin/{attnrt,attnrt_gpu_tests,
+# attnrt_gpu_sparse_tests} and build/lib/{libattnrt.so.0.1.0,libattnrt_cuda.so}.
+# Usage: scripts/device_cuda.sh [build-dir] [steps...]   (steps: tests sparse memcheck bench run torch)
 set -uo pipefail
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+B=${1:-build}
+shift || true
+STEPS=${*:-tests sparse memcheck bench run torch}
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+ln -sf libattnrt.so.0.1.0 "$B/lib/libattnrt.so.0"
+has() { [[ " $STEPS " == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
-ldd build-d/lib/libattnrt_cuda.so | tee -a "$OUT/gpu.txt"
-timeout 240 build-d/bin/attnrt_gpu_tests --gtest_filter=-*Bench* 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
-ATTNRT_GPU_BENCH=1 timeout 200 build-d/bin/attnrt_gpu_tests --gtest_filter=*Bench* 2>&1 | tee "$OUT/bench_attnrt.log" | grep -E "BENCH|FAIL|OK"
-if [ -x build-d/bin/attnrt ]; then timeout 60 build-d/bin/attnrt doctor 2>&1 | tee "$OUT/doctor.log" | tail -20; fi
-PYTHONUNBUFFERED=1 timeout 200 python3 bench/cuda_side_by_side.py 2>&1 | tee "$OUT/bench_torch.log"
+if has tests; then
+  timeout 240 "$B/bin/attnrt_gpu_tests" --gtest_filter=-*Bench* 2>&1 | tee "$OUT/gpu_tests.log" |
+    grep -vE "^\[ RUN|^\[       OK" | tail -30
+fi
+if has sparse; then
+  timeout 240 "$B/bin/attnrt_gpu_sparse_tests" --gtest_filter=-*Bench* 2>&1 |
+    tee "$OUT/sparse_tests.log" | grep -vE "^\[ RUN|^\[       OK" | tail -30
+fi
+if has memcheck && command -v compute-sanitizer >/dev/null; then
+  timeout 200 compute-sanitizer --tool memcheck "$B/bin/attnrt_gpu_tests" \
+    --gtest_filter='*Sweep*:*Graph*' 2>&1 | tee "$OUT/memcheck.log" | tail -4
+fi
+if has bench; then
+  ATTNRT_GPU_BENCH=1 timeout 240 "$B/bin/attnrt_gpu_tests" --gtest_filter=*Bench* 2>&1 |
+    tee "$OUT/bench_dense.log" | grep -E "BENCH|FAIL"
+  ATTNRT_GPU_BENCH=1 timeout 150 "$B/bin/attnrt_gpu_sparse_tests" --gtest_filter=*Bench* 2>&1 |
+    tee "$OUT/bench_sparse.log" | grep -E "BENCH|FAIL"
+fi
+if has run; then
+  export ATTNRT_PLUGIN_PATH="$B/lib"
+  timeout 60 "$B/bin/attnrt" doctor 2>&1 | tee "$OUT/doctor.log" | tail -30
+  timeout 120 "$B/bin/attnrt" run --device cuda:0 --check 2>&1 | tee "$OUT/run.log" | tail -20
+fi
+if has torch; then
+  PYTHONUNBUFFERED=1 timeout 200 python3 bench/cuda_side_by_side.py 2>&1 | tee "$OUT/bench_torch.log"
+fi

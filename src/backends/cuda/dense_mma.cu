@@ -1,0 +1,727 @@
+// Dense paged attention on tensor cores (sm_80+ mma.sync m16n8k16, bf16/f16 in, f32 accumulate).
+//
+// One kernel template serves both dense ops:
+//   * extend: a CTA of 4 warps owns a tile of 64 query rows of one request and one query head;
+//     each warp owns 16 rows and walks every key tile [0, last visible key] of the request with
+//     an online softmax (causal mask only on the tiles that cross the diagonal).
+//   * decode: a CTA owns (request, KV head, split, head chunk); the 16 mma rows are the query
+//     heads of the GQA group (so K/V rows are read once per group), the 4 warps take different
+//     16-key slices of each K/V tile, and the CTA merges its warps; splits are merged by lse in a
+//     second kernel (empty splits -> lse = -inf, o = 0).
+// K/V tiles are gathered row by row from the paged cache with cp.async (16-byte chunks, XOR
+// swizzle against bank conflicts, zero-fill past the end) into two shared-memory stages: the
+// next tile is in flight while the current one is computed.
+#include "dense_kernels.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <new>
+#include <vector>
+
+namespace attnrt_cuda_dense {
+namespace {
+
+constexpr int kThreads = 128;
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+int32_t set_err(char* err, size_t cap, int32_t status, const char* what, cudaError_t e) {
+  std::snprintf(err, cap, "%s: %s (%s)", what, cudaGetErrorName(e), cudaGetErrorString(e));
+  return status;
+}
+
+#define DK_CK(call)                                                             \
+  do {                                                                          \
+    cudaError_t e_ = (call);                                                    \
+    if (e_ != cudaSuccess) return set_err(err, cap, ATTNRT_INTERNAL, #call, e_); \
+  } while (0)
+
+// ---------------------------------------------------------------------------------------------
+// Device helpers
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
+  const int n = valid ? 16 : 0;  // 0: zero-fill, nothing read
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n));
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+template <typename T>
+struct Mma;
+template <>
+struct Mma<__nv_bfloat16> {
+  static __device__ __forceinline__ void run(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                             uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+  static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+  }
+};
+template <>
+struct Mma<__half> {
+  static __device__ __forceinline__ void run(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                             uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+  static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
+    __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+  }
+};
+
+// Element offset of (row r, column k) in a [rows][D] tile whose 16-byte chunks are XOR-swizzled
+// by the row (ldmatrix of 8 rows at one column then touches 8 different bank groups).
+template <int D>
+__device__ __forceinline__ int swz(int r, int k) {
+  return r * D + ((((k >> 3) ^ (r & 7))) << 3) + (k & 7);
+}
+
+struct Args {
+  const void* q;
+  const void* kc;
+  const void* vc;
+  void* out;
+  float* lse;
+  const float* sink;
+  int64_t q_s0, q_s1, o_s0, o_s1, k_s0, k_s1, k_s2, v_s0, v_s1, v_s2, lse_s0;
+  int hq, group, page_size, page_shift;  // page_shift: log2(page_size), or -1
+  float scale_log2;
+  // Device metadata of the plan.
+  const int32_t* kv_len;
+  const int32_t* q_len;
+  const int32_t* q_start;  // first packed token of each request
+  const int32_t* page_indptr;
+  const int32_t* page_ids;
+  const int2* tiles;  // extend: (request, first query row of the tile)
+  int splits, head_chunks;  // decode
+  float* part_o;
+  float* part_lse;
+};
+
+template <int D, bool DECODE>
+struct Cfg {
+  static constexpr int BK = DECODE ? 64 : (D == 256 ? 32 : 64);  // keys per tile
+  static constexpr int BQ = DECODE ? 16 : 64;                    // query rows per CTA
+  static constexpr int BKW = DECODE ? BK / 4 : BK;               // keys per warp per tile
+  static constexpr int NT = BKW / 8;                             // S n-tiles per warp
+  static constexpr int KS = BKW / 16;                            // PV k-steps per warp
+  static constexpr int DT = D / 8;                               // O n-tiles
+  static constexpr int DK = D / 16;                              // QK k-steps
+  static constexpr bool kQReg = D <= 128;                        // Q fragments in registers
+  static constexpr size_t kQElems = static_cast<size_t>(BQ) * D;
+  static constexpr size_t kKVElems = static_cast<size_t>(BK) * D;
+  static constexpr size_t smem_bytes(size_t esize) {
+    return esize * (kQElems + 4 * kKVElems);  // Q + 2 stages of (K, V)
+  }
+};
+
+template <typename T, int D, bool DECODE>
+__global__ void __launch_bounds__(kThreads, DECODE ? (D == 256 ? 1 : 3) : 2) attn_mma_kernel(Args a) {
+  using C = Cfg<D, DECODE>;
+  constexpr int BK = C::BK, BQ = C::BQ, BKW = C::BKW, NT = C::NT, KS = C::KS, DT = C::DT,
+                DK = C::DK;
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  T* sQ = reinterpret_cast<T*>(smem_raw);
+  T* sK = sQ + C::kQElems;           // [2][BK][D]
+  T* sV = sK + 2 * C::kKVElems;      // [2][BK][D]
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int g = lane >> 2, t4 = lane & 3;
+
+  // ---- what this CTA computes
+  int b, kvh, key_begin, key_end, tok0 = 0, qs = 0, h_ext = 0, hc = 0, item = 0;
+  int rows_valid;  // extend: query rows of the tile; decode: heads of the chunk
+  if constexpr (!DECODE) {
+    const int2 tile = a.tiles[blockIdx.x];
+    b = tile.x;
+    qs = tile.y;
+    h_ext = blockIdx.y;
+    kvh = h_ext / a.group;
+    const int kv = a.kv_len[b], ql = a.q_len[b];
+    rows_valid = min(BQ, ql - qs);
+    tok0 = a.q_start[b] + qs;
+    key_begin = 0;
+    key_end = min(kv, kv - ql + qs + BQ);
+  } else {
+    item = blockIdx.x;
+    b = item / a.splits;
+    const int s = item - b * a.splits;
+    kvh = blockIdx.y / a.head_chunks;
+    hc = blockIdx.y - kvh * a.head_chunks;
+    rows_valid = min(16, a.group - hc * 16);
+    tok0 = a.q_start[b];
+    const int kv = a.kv_len[b];
+    int chunk = (kv + a.splits - 1) / a.splits;
+    chunk = (chunk + BK - 1) / BK * BK;
+    key_begin = min(kv, s * chunk);
+    key_end = min(kv, key_begin + chunk);
+  }
+  const T* __restrict__ q = static_cast<const T*>(a.q);
+  const T* __restrict__ kc = static_cast<const T*>(a.kc);
+  const T* __restrict__ vc = static_cast<const T*>(a.vc);
+  const int32_t* __restrict__ pages = a.page_ids + a.page_indptr[b];
+
+  // ---- Q tile -> shared memory (rows past the valid ones are zero)
+  for (int idx = tid; idx < BQ * DT; idx += kThreads) {
+    const int r = idx / DT, c = idx % DT;
+    const bool valid = r < rows_valid;
+    const T* src = q;
+    if (valid) {
+      src = DECODE ? q + tok0 * a.q_s0 + (kvh * a.group + hc * 16 + r) * a.q_s1 + c * 8
+                   : q + static_cast<int64_t>(tok0 + r) * a.q_s0 + h_ext * a.q_s1 + c * 8;
+    }
+    cp_async16(smem_u32(sQ + swz<D>(r, c * 8)), src, valid);
+  }
+
+  // ---- K/V tile loader: each thread owns one 16-byte column chunk of several rows
+  constexpr int kRowsPerPass = kThreads / DT;
+  constexpr int kPasses = BK / kRowsPerPass;
+  static_assert(kThreads % DT == 0 && BK % kRowsPerPass == 0, "tile shape");
+  const int lc = tid % DT, lr0 = tid / DT;
+  auto load_tile = [&](int j0, int stage) {
+    T* dk = sK + stage * C::kKVElems;
+    T* dv = sV + stage * C::kKVElems;
+#pragma unroll
+    for (int i = 0; i < kPasses; ++i) {
+      const int r = lr0 + i * kRowsPerPass;
+      const int j = j0 + r;
+      const bool valid = j < key_end;
+      const T* ks = kc;
+      const T* vs = vc;
+      if (valid) {
+        int pg, row;
+        if (a.page_shift >= 0) {
+          pg = j >> a.page_shift;
+          row = j & (a.page_size - 1);
+        } else {
+          pg = j / a.page_size;
+          row = j - pg * a.page_size;
+        }
+        const int64_t page = pages[pg];
+        ks = kc + page * a.k_s0 + row * a.k_s1 + kvh * a.k_s2 + lc * 8;
+        vs = vc + page * a.v_s0 + row * a.v_s1 + kvh * a.v_s2 + lc * 8;
+      }
+      cp_async16(smem_u32(dk + swz<D>(r, lc * 8)), ks, valid);
+      cp_async16(smem_u32(dv + swz<D>(r, lc * 8)), vs, valid);
+    }
+  };
+
+  const int n_tiles = (key_end - key_begin + BK - 1) / BK;
+  if (n_tiles > 0) load_tile(key_begin, 0);
+  cp_commit();  // group 0: Q (+ tile 0)
+
+  // ---- per-thread state: rows g and g+8 of this warp's 16
+  const int wrow = DECODE ? 0 : warp * 16;  // first mma row of the warp in the Q tile
+  const int wkey = DECODE ? warp * BKW : 0; // first key of the warp inside a K/V tile
+  float o[DT][4];
+#pragma unroll
+  for (int i = 0; i < DT; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+  // Last visible key + 1 of each of the thread's two rows.
+  int lim[2];
+  if constexpr (!DECODE) {
+    const int kv = a.kv_len[b], ql = a.q_len[b];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) lim[r] = min(kv, kv - ql + qs + wrow + g + 8 * r + 1);
+  } else {
+    lim[0] = lim[1] = key_end;
+  }
+  const int lim_min = min(lim[0], lim[1]);
+  uint32_t qf[C::kQReg ? DK : 1][4];
+
+  for (int it = 0; it < n_tiles; ++it) {
+    const int j0 = key_begin + it * BK;
+    if (it + 1 < n_tiles) {
+      load_tile(j0 + BK, (it + 1) & 1);
+      cp_commit();
+      cp_wait<1>();
+    } else {
+      cp_wait<0>();
+    }
+    __syncthreads();
+    const T* k_s = sK + (it & 1) * C::kKVElems;
+    const T* v_s = sV + (it & 1) * C::kKVElems;
+    if constexpr (C::kQReg) {
+      if (it == 0) {
+#pragma unroll
+        for (int kk = 0; kk < DK; ++kk)
+          ldsm_x4(qf[kk], smem_u32(sQ + swz<D>(wrow + (lane & 15), kk * 16 + (lane >> 4) * 8)));
+      }
+    }
+    // S = Q K^T for this warp's 16 rows x BKW keys
+    float s[NT][4];
+#pragma unroll
+    for (int i = 0; i < NT; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < DK; ++kk) {
+      uint32_t af[4];
+      if constexpr (C::kQReg) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) af[i] = qf[kk][i];
+      } else {
+        ldsm_x4(af, smem_u32(sQ + swz<D>(wrow + (lane & 15), kk * 16 + (lane >> 4) * 8)));
+      }
+#pragma unroll
+      for (int np = 0; np < NT / 2; ++np) {
+        uint32_t bf[4];
+        const int key = wkey + np * 16 + (lane >> 4) * 8 + (lane & 7);
+        ldsm_x4(bf, smem_u32(k_s + swz<D>(key, kk * 16 + ((lane >> 3) & 1) * 8)));
+        Mma<T>::run(s[2 * np], af, bf[0], bf[1]);
+        Mma<T>::run(s[2 * np + 1], af, bf[2], bf[3]);
+      }
+    }
+    // Mask keys past each row's limit (only tiles that cross the diagonal or the end).
+    if (j0 + wkey + BKW > lim_min) {
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int j = j0 + wkey + nt * 8 + 2 * t4 + (e & 1);
+          if (j >= lim[e >> 1]) s[nt][e] = -INFINITY;
+        }
+    }
+    // Online softmax (log2 domain, scores scaled by sm_scale * log2 e).
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float mx = -INFINITY;
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * r], s[nt][2 * r + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float mn = fmaxf(m[r], mx * a.scale_log2);
+      const float base = mn == -INFINITY ? 0.f : mn;
+      const float corr = exp2f(m[r] - base);  // m = -inf -> 0
+      float sum = 0.f;
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        const float p0 = exp2f(fmaf(s[nt][2 * r], a.scale_log2, -base));
+        const float p1 = exp2f(fmaf(s[nt][2 * r + 1], a.scale_log2, -base));
+        s[nt][2 * r] = p0;
+        s[nt][2 * r + 1] = p1;
+        sum += p0 + p1;
+      }
+      l[r] = l[r] * corr + sum;
+      m[r] = mn;
+#pragma unroll
+      for (int dt = 0; dt < DT; ++dt) {
+        o[dt][2 * r] *= corr;
+        o[dt][2 * r + 1] *= corr;
+      }
+    }
+    // O += P V
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) {
+      uint32_t pf[4];
+      pf[0] = Mma<T>::pack(s[2 * ks][0], s[2 * ks][1]);
+      pf[1] = Mma<T>::pack(s[2 * ks][2], s[2 * ks][3]);
+      pf[2] = Mma<T>::pack(s[2 * ks + 1][0], s[2 * ks + 1][1]);
+      pf[3] = Mma<T>::pack(s[2 * ks + 1][2], s[2 * ks + 1][3]);
+      const int key = wkey + ks * 16 + ((lane >> 3) & 1) * 8 + (lane & 7);
+#pragma unroll
+      for (int dp = 0; dp < DT / 2; ++dp) {
+        uint32_t bf[4];
+        ldsm_x4_t(bf, smem_u32(v_s + swz<D>(key, dp * 16 + (lane >> 4) * 8)));
+        Mma<T>::run(o[2 * dp], pf, bf[0], bf[1]);
+        Mma<T>::run(o[2 * dp + 1], pf, bf[2], bf[3]);
+      }
+    }
+    __syncthreads();  // the stage read here is refilled next iteration
+  }
+  cp_wait<0>();  // (no tiles: the Q copy)
+
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+  }
+
+  if constexpr (!DECODE) {
+    T* __restrict__ out = static_cast<T*>(a.out);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = wrow + g + 8 * r;
+      float mm = m[r], ll = l[r], c = 1.f;
+      if (a.sink != nullptr) {
+        const float s2 = a.sink[h_ext] * kLog2e;
+        const float mn = fmaxf(mm, s2);
+        c = exp2f(mm - mn);
+        ll = ll * c + exp2f(s2 - mn);
+        mm = mn;
+      }
+      if (row >= rows_valid) continue;
+      const float inv = ll > 0.f ? c / ll : 0.f;
+      T* orow = out + static_cast<int64_t>(tok0 + row) * a.o_s0 + h_ext * a.o_s1 + 2 * t4;
+#pragma unroll
+      for (int dt = 0; dt < DT; ++dt) {
+        const uint32_t v = Mma<T>::pack(o[dt][2 * r] * inv, o[dt][2 * r + 1] * inv);
+        *reinterpret_cast<uint32_t*>(orow + dt * 8) = v;
+      }
+      if (a.lse != nullptr && t4 == 0)
+        a.lse[static_cast<int64_t>(tok0 + row) * a.lse_s0 + h_ext] =
+            ll > 0.f ? (mm + log2f(ll)) * kLn2 : -INFINITY;
+    }
+  } else {
+    // Merge the 4 warps (same rows, different keys) through shared memory (K/V stages are free).
+    __shared__ float s_m[4][16], s_l[4][16];
+    float* red = reinterpret_cast<float*>(sK);  // [4][16][D] floats
+    static_assert(4 * 16 * D * sizeof(float) <= 4 * C::kKVElems * sizeof(T), "merge buffer");
+    if (t4 == 0) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        s_m[warp][g + 8 * r] = m[r];
+        s_l[warp][g + 8 * r] = l[r];
+      }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = g + 8 * r;
+      float M = -INFINITY;
+#pragma unroll
+      for (int w = 0; w < 4; ++w) M = fmaxf(M, s_m[w][row]);
+      const float f = (m[r] == -INFINITY) ? 0.f : exp2f(m[r] - M);
+      float* dst = red + (warp * 16 + row) * D + 2 * t4;
+#pragma unroll
+      for (int dt = 0; dt < DT; ++dt) {
+        dst[dt * 8] = o[dt][2 * r] * f;
+        dst[dt * 8 + 1] = o[dt][2 * r + 1] * f;
+      }
+    }
+    __syncthreads();
+    const int hq0 = kvh * a.group + hc * 16;
+    for (int idx = tid; idx < 16 * D; idx += kThreads) {
+      const int row = idx / D, d = idx % D;
+      if (row >= rows_valid) continue;
+      float M = -INFINITY;
+#pragma unroll
+      for (int w = 0; w < 4; ++w) M = fmaxf(M, s_m[w][row]);
+      float L = 0.f, acc = 0.f;
+      if (M != -INFINITY) {
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {
+          L += s_l[w][row] * exp2f(s_m[w][row] - M);  // -inf - M -> 0
+          acc += red[(w * 16 + row) * D + d];
+        }
+      }
+      const int64_t prow = static_cast<int64_t>(item) * a.hq + hq0 + row;
+      a.part_o[prow * D + d] = L > 0.f ? acc / L : 0.f;  // empty split: o = 0
+      if (d == 0) a.part_lse[prow] = L > 0.f ? M + log2f(L) : -INFINITY;
+    }
+  }
+}
+
+// Merge of decode splits: one warp per (request, query head); folds in the sink; never NaN.
+template <typename T, int D>
+__global__ void decode_merge_kernel(Args a, int n) {
+  constexpr int NV = D / 32;
+  const int w = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+  if (w >= n * a.hq) return;
+  const int b = w / a.hq, h = w - b * a.hq, lane = threadIdx.x & 31;
+  const int i0 = b * a.splits, i1 = i0 + a.splits;
+  float M = -INFINITY;
+  for (int i = i0; i < i1; ++i) M = fmaxf(M, a.part_lse[static_cast<int64_t>(i) * a.hq + h]);
+  float acc[NV], L = 0.f;
+#pragma unroll
+  for (int k = 0; k < NV; ++k) acc[k] = 0.f;
+  if (M != -INFINITY) {
+    for (int i = i0; i < i1; ++i) {
+      const int64_t prow = static_cast<int64_t>(i) * a.hq + h;
+      const float wt = exp2f(a.part_lse[prow] - M);
+      L += wt;
+      const float* po = a.part_o + prow * D + lane * NV;
+#pragma unroll
+      for (int k = 0; k < NV; ++k) acc[k] += wt * po[k];
+    }
+  }
+  if (a.sink != nullptr) {
+    const float s2 = a.sink[h] * kLog2e;
+    const float mn = fmaxf(M, s2);
+    const float c = M == -INFINITY ? 0.f : exp2f(M - mn);
+    L = L * c + exp2f(s2 - mn);
+#pragma unroll
+    for (int k = 0; k < NV; ++k) acc[k] *= c;
+    M = mn;
+  }
+  const float inv = L > 0.f ? 1.f / L : 0.f;
+  const int64_t tok = a.q_start[b];
+  T* orow = static_cast<T*>(a.out) + tok * a.o_s0 + h * a.o_s1 + lane * NV;
+#pragma unroll
+  for (int k = 0; k < NV; k += 2) {
+    const uint32_t v = Mma<T>::pack(acc[k] * inv, acc[k + 1] * inv);
+    *reinterpret_cast<uint32_t*>(orow + k) = v;
+  }
+  if (a.lse != nullptr && lane == 0)
+    a.lse[tok * a.lse_s0 + h] = L > 0.f ? (M + log2f(L)) * kLn2 : -INFINITY;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Host side
+
+struct DensePlan {
+  attnrt_problem problem{};  // first member: the plugin dispatches on problem.op
+  int n = 0;
+  int num_tiles = 0;      // extend
+  int splits = 1;         // decode: per request (uniform, so the grid is fixed for graphs)
+  int head_chunks = 1;    // decode: ceil(group / 16)
+  int page_capacity = 0;  // decode: page_ids entries the device buffer holds
+  int32_t* d_kv_len = nullptr;
+  int32_t* d_q_len = nullptr;
+  int32_t* d_q_start = nullptr;
+  int32_t* d_page_indptr = nullptr;
+  int32_t* d_page_ids = nullptr;
+  int2* d_tiles = nullptr;
+  float* d_part_o = nullptr;
+  float* d_part_lse = nullptr;
+};
+
+void free_plan(DensePlan* p) {
+  if (!p) return;
+  cudaFree(p->d_kv_len);
+  cudaFree(p->d_q_len);
+  cudaFree(p->d_q_start);
+  cudaFree(p->d_page_indptr);
+  cudaFree(p->d_page_ids);
+  cudaFree(p->d_tiles);
+  cudaFree(p->d_part_o);
+  cudaFree(p->d_part_lse);
+  delete p;
+}
+
+template <typename T, int D, bool DECODE>
+cudaError_t prepare_one() {
+  return cudaFuncSetAttribute(attn_mma_kernel<T, D, DECODE>,
+                              cudaFuncAttributeMaxDynamicSharedMemorySize,
+                              static_cast<int>(Cfg<D, DECODE>::smem_bytes(sizeof(T))));
+}
+template <typename T>
+cudaError_t prepare_t(int d, bool decode) {
+  switch (d) {
+    case 64: return decode ? prepare_one<T, 64, true>() : prepare_one<T, 64, false>();
+    case 128: return decode ? prepare_one<T, 128, true>() : prepare_one<T, 128, false>();
+    default: return decode ? prepare_one<T, 256, true>() : prepare_one<T, 256, false>();
+  }
+}
+
+template <typename T>
+int32_t upload(T** dst, const T* src, size_t count, size_t capacity, char* err, size_t cap) {
+  DK_CK(cudaMalloc(reinterpret_cast<void**>(dst), sizeof(T) * std::max<size_t>(capacity, 1)));
+  if (count > 0) DK_CK(cudaMemcpy(*dst, src, sizeof(T) * count, cudaMemcpyHostToDevice));
+  return ATTNRT_OK;
+}
+
+template <typename T, int D>
+int32_t launch(const DensePlan& pl, const Args& a, cudaStream_t st, char* err, size_t cap) {
+  const attnrt_problem& p = pl.problem;
+  if (p.op == ATTNRT_OP_DENSE_EXTEND) {
+    if (pl.num_tiles == 0) return ATTNRT_OK;
+    attn_mma_kernel<T, D, false><<<dim3(pl.num_tiles, p.num_q_heads), kThreads,
+                                   Cfg<D, false>::smem_bytes(sizeof(T)), st>>>(a);
+    DK_CK(cudaGetLastError());
+    return ATTNRT_OK;
+  }
+  if (pl.n == 0) return ATTNRT_OK;
+  attn_mma_kernel<T, D, true><<<dim3(pl.n * pl.splits, p.num_kv_heads * pl.head_chunks), kThreads,
+                                Cfg<D, true>::smem_bytes(sizeof(T)), st>>>(a);
+  DK_CK(cudaGetLastError());
+  const int warps = pl.n * p.num_q_heads;
+  decode_merge_kernel<T, D><<<(warps + 3) / 4, 128, 0, st>>>(a, pl.n);
+  DK_CK(cudaGetLastError());
+  return ATTNRT_OK;
+}
+
+template <typename T>
+int32_t launch_t(const DensePlan& pl, const Args& a, cudaStream_t st, char* err, size_t cap) {
+  switch (pl.problem.head_dim) {
+    case 64: return launch<T, 64>(pl, a, st, err, cap);
+    case 128: return launch<T, 128>(pl, a, st, err, cap);
+    case 256: return launch<T, 256>(pl, a, st, err, cap);
+    default:
+      std::snprintf(err, cap, "head_dim %d not supported", pl.problem.head_dim);
+      return ATTNRT_INVALID;
+  }
+}
+
+int page_shift_of(int ps) {
+  if (ps <= 0 || (ps & (ps - 1)) != 0) return -1;
+  int s = 0;
+  while ((1 << s) < ps) ++s;
+  return s;
+}
+
+int32_t plan_impl(const attnrt_problem* p, const attnrt_layout* L, int sms, DensePlan* pl,
+                  char* err, size_t cap) {
+  pl->problem = *p;
+  const int n = L->num_requests;
+  pl->n = n;
+  DK_CK(cudaSetDevice(p->device.index));
+  DK_CK(p->q_dtype == ATTNRT_BF16 ? prepare_t<__nv_bfloat16>(p->head_dim,
+                                                             p->op == ATTNRT_OP_DENSE_DECODE)
+                                  : prepare_t<__half>(p->head_dim, p->op == ATTNRT_OP_DENSE_DECODE));
+  std::vector<int32_t> qstart(n + 1);
+  for (int b = 0; b <= n; ++b) qstart[b] = static_cast<int32_t>(L->q_indptr[b]);
+  const int total_pages = L->page_indptr[n];
+  const bool decode = p->op == ATTNRT_OP_DENSE_DECODE;
+  // Decode keeps room for growth so that update() can absorb longer contexts in place.
+  pl->page_capacity = decode ? std::max(2 * total_pages, total_pages + 64 * n) : total_pages;
+  if (int32_t s = upload(&pl->d_kv_len, L->kv_len, n, n, err, cap)) return s;
+  if (int32_t s = upload(&pl->d_q_len, L->q_len, n, n, err, cap)) return s;
+  if (int32_t s = upload(&pl->d_q_start, qstart.data(), n + 1, n + 1, err, cap)) return s;
+  if (int32_t s = upload(&pl->d_page_indptr, L->page_indptr, n + 1, n + 1, err, cap)) return s;
+  if (int32_t s = upload(&pl->d_page_ids, L->page_ids, total_pages, pl->page_capacity, err, cap))
+    return s;
+  if (!decode) {
+    // Query tiles of 64 rows, the ones with the most visible keys first (they finish last).
+    std::vector<int2> tiles;
+    std::vector<int64_t> work;
+    for (int b = 0; b < n; ++b)
+      for (int qs = 0; qs < L->q_len[b]; qs += 64) tiles.push_back(make_int2(b, qs));
+    auto keys = [&](const int2& t) {
+      return std::min<int64_t>(L->kv_len[t.x], L->kv_len[t.x] - L->q_len[t.x] + t.y + 64);
+    };
+    std::stable_sort(tiles.begin(), tiles.end(),
+                     [&](const int2& x, const int2& y) { return keys(x) > keys(y); });
+    pl->num_tiles = static_cast<int>(tiles.size());
+    return upload(&pl->d_tiles, tiles.data(), tiles.size(), tiles.size(), err, cap);
+  }
+  // Decode: CTAs = requests x splits x kv heads x head chunks. Split long contexts when there
+  // are few (request, kv head) pairs so that ~4 CTAs per multiprocessor exist; a split keeps
+  // at least 512 keys. Uniform over requests so the grid (and a captured graph) stays fixed.
+  const int group = p->num_q_heads / p->num_kv_heads;
+  pl->head_chunks = (group + 15) / 16;
+  int max_kv = 0;
+  for (int b = 0; b < n; ++b) max_kv = std::max(max_kv, L->kv_len[b]);
+  const int64_t base = static_cast<int64_t>(std::max(n, 1)) * p->num_kv_heads * pl->head_chunks;
+  const int64_t want = (4LL * sms + base - 1) / base;
+  const int64_t by_len = std::max<int64_t>(1, (max_kv + 511) / 512);
+  pl->splits = static_cast<int>(std::max<int64_t>(1, std::min(want, by_len)));
+  const size_t rows = static_cast<size_t>(n) * pl->splits * p->num_q_heads;
+  DK_CK(cudaMalloc(reinterpret_cast<void**>(&pl->d_part_o),
+                   sizeof(float) * std::max<size_t>(rows * p->head_dim, 1)));
+  DK_CK(cudaMalloc(reinterpret_cast<void**>(&pl->d_part_lse),
+                   sizeof(float) * std::max<size_t>(rows, 1)));
+  return ATTNRT_OK;
+}
+
+}  // namespace
+
+int32_t plan(const attnrt_problem* p, const attnrt_layout* L, int sms, attnrt_plan* out,
+             char* err, size_t cap) {
+  DensePlan* pl = new (std::nothrow) DensePlan{};
+  if (!pl) {
+    std::snprintf(err, cap, "out of host memory");
+    return ATTNRT_INTERNAL;
+  }
+  if (int32_t s = plan_impl(p, L, sms, pl, err, cap); s != ATTNRT_OK) {
+    free_plan(pl);
+    return s;
+  }
+  *out = reinterpret_cast<attnrt_plan>(pl);
+  return ATTNRT_OK;
+}
+
+int32_t update(attnrt_plan plan, const attnrt_layout* L, char* err, size_t cap) {
+  DensePlan* pl = reinterpret_cast<DensePlan*>(plan);
+  if (pl->problem.op != ATTNRT_OP_DENSE_DECODE) {
+    std::snprintf(err, cap, "update_plan serves dense_decode plans only");
+    return ATTNRT_UNAVAILABLE;
+  }
+  const int n = L->num_requests;
+  if (n != pl->n) {
+    std::snprintf(err, cap, "update_plan: %d requests, plan has %d", n, pl->n);
+    return ATTNRT_UNAVAILABLE;
+  }
+  const int total_pages = L->page_indptr[n];
+  if (total_pages > pl->page_capacity) {
+    std::snprintf(err, cap, "update_plan: %d pages exceed the plan's capacity %d", total_pages,
+                  pl->page_capacity);
+    return ATTNRT_UNAVAILABLE;
+  }
+  for (int b = 0; b < n; ++b)
+    if (L->q_len[b] != 1 || L->q_indptr[b] != b) {
+      std::snprintf(err, cap, "update_plan: request %d is not a decode row", b);
+      return ATTNRT_UNAVAILABLE;
+    }
+  DK_CK(cudaSetDevice(pl->problem.device.index));
+  DK_CK(cudaMemcpy(pl->d_kv_len, L->kv_len, sizeof(int32_t) * n, cudaMemcpyHostToDevice));
+  DK_CK(cudaMemcpy(pl->d_page_indptr, L->page_indptr, sizeof(int32_t) * (n + 1),
+                   cudaMemcpyHostToDevice));
+  if (total_pages > 0)
+    DK_CK(cudaMemcpy(pl->d_page_ids, L->page_ids, sizeof(int32_t) * total_pages,
+                     cudaMemcpyHostToDevice));
+  return ATTNRT_OK;
+}
+
+int32_t run(attnrt_plan plan, const attnrt_tensors* t, void* stream, char* err, size_t cap) {
+  const DensePlan& pl = *reinterpret_cast<const DensePlan*>(plan);
+  const attnrt_problem& p = pl.problem;
+  Args a{};
+  a.q = t->q.data;
+  a.kc = t->k_cache.data;
+  a.vc = t->v_cache.data;
+  a.out = t->out.data;
+  a.lse = p.write_lse ? static_cast<float*>(t->lse.data) : nullptr;
+  a.sink = p.has_sink ? static_cast<const float*>(t->sink.data) : nullptr;
+  a.q_s0 = t->q.strides[0];
+  a.q_s1 = t->q.strides[1];
+  a.o_s0 = t->out.strides[0];
+  a.o_s1 = t->out.strides[1];
+  a.k_s0 = t->k_cache.strides[0];
+  a.k_s1 = t->k_cache.strides[1];
+  a.k_s2 = t->k_cache.strides[2];
+  a.v_s0 = t->v_cache.strides[0];
+  a.v_s1 = t->v_cache.strides[1];
+  a.v_s2 = t->v_cache.strides[2];
+  a.lse_s0 = a.lse ? t->lse.strides[0] : 0;
+  a.hq = p.num_q_heads;
+  a.group = p.num_q_heads / p.num_kv_heads;
+  a.page_size = p.page_size;
+  a.page_shift = page_shift_of(p.page_size);
+  a.scale_log2 = p.sm_scale * kLog2e;
+  a.kv_len = pl.d_kv_len;
+  a.q_len = pl.d_q_len;
+  a.q_start = pl.d_q_start;
+  a.page_indptr = pl.d_page_indptr;
+  a.page_ids = pl.d_page_ids;
+  a.tiles = pl.d_tiles;
+  a.splits = pl.splits;
+  a.head_chunks = pl.head_chunks;
+  a.part_o = pl.d_part_o;
+  a.part_lse = pl.d_part_lse;
+  DK_CK(cudaSetDevice(p.device.index));
+  cudaStream_t st = static_cast<cudaStream_t>(stream);
+  if (p.q_dtype == ATTNRT_BF16) return launch_t<__nv_bfloat16>(pl, a, st, err, cap);
+  return launch_t<__half>(pl, a, st, err, cap);
+}
+
+void destroy(attnrt_plan plan) { free_plan(reinterpret_cast<DensePlan*>(plan)); }
+
+}  // namespace attnrt_cuda_dense
