@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "attnrt/attnrt.h"
+#include "core/cpu_dispatch.h"
 
 namespace {
 using namespace attnrt;
@@ -114,7 +115,7 @@ double measure_fma_peak(int threads, std::string* isa) {
   return best;
 }
 
-__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default"))) float sum_floats(
+ATTNRT_TARGET_CLONES("arch=x86-64-v4", "arch=x86-64-v3", "default") float sum_floats(
     const float* p, size_t n) {
   typedef float v16 __attribute__((vector_size(64)));
   v16 acc[8] = {};

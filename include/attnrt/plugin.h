@@ -131,7 +131,9 @@ typedef struct attnrt_plugin_v1 {
   /* Required. Runs a plan on tensors that match its problem and layout (the host checked).
    * Writes every element of the outputs, or returns non-OK before writing any of them. `stream`
    * is the device stream (NULL: the default stream); the call may return before the device
-   * finishes. Neither allocates nor synchronizes on GPU paths (graph-capturable). */
+   * finishes. Neither allocates nor synchronizes on GPU paths (graph-capturable). The host
+   * shares cached plans between threads: run may be called concurrently on one plan, so it
+   * must not modify the plan. */
   int32_t (*run)(attnrt_plan plan, const attnrt_tensors* tensors, void* stream);
   /* Required. Frees a plan; NULL is a no-op. */
   void (*destroy_plan)(attnrt_plan plan);

@@ -35,7 +35,6 @@ struct Plan {
   int64_t* q_indptr;
   int32_t* page_indptr;
   int32_t* page_ids;
-  int calls;
 };
 
 int32_t init() {
@@ -151,7 +150,6 @@ int32_t run(attnrt_plan h, const attnrt_tensors* t, void*) {
       }
     }
   }
-  ++pl->calls;
   return ATTNRT_OK;
 #endif
 }

@@ -28,6 +28,7 @@
 //
 // Limits (reported by probe): host device only; head_dim and index_dim <= 256; G <= 64.
 #include "backends/cpu/cpu_backend.h"
+#include "core/cpu_dispatch.h"
 
 #include <algorithm>
 #include <atomic>
@@ -57,7 +58,7 @@ constexpr int32_t kMaskedPos = std::numeric_limits<int32_t>::max();  // padded k
 constexpr int64_t kMinSplitKeys = 512;
 
 #define ATTNRT_AI __attribute__((always_inline)) inline
-#define ATTNRT_CLONES __attribute__((target_clones("arch=x86-64-v4", "default")))
+#define ATTNRT_CLONES ATTNRT_TARGET_CLONES("arch=x86-64-v4", "default")
 
 typedef float vf __attribute__((vector_size(64)));
 typedef int32_t vi __attribute__((vector_size(64)));
