@@ -1,8 +1,18 @@
 #!/usr/bin/env python3
-"""Side-by-side timings on a CUDA device: PyTorch SDPA (flash, cuDNN) for the issue-5 shapes,
-plus the measured ceilings (device copy bandwidth, bf16 GEMM). attnrt's own numbers come from
-`attnrt_gpu_tests --gtest_filter=*Bench*` (ATTNRT_GPU_BENCH=1), run by scripts/device_cuda.sh.
-Prints one line per (shape, backend): median ms over CUDA-event-timed repeats."""
+"""Side by side on a CUDA device, in one run: attnrt's dense ops through
+`attnrt bench --device cuda:0 --suite cuda-dense --json` and PyTorch
+scaled_dot_product_attention (flash and cuDNN backends) on the same shapes (Hq=32, Hkv=8,
+d=128, bf16; causal prefill 4k x 4, 16k, 64k; decode 1 x 128k, 32 x 8k, 64 x 32k), plus the
+measured ceilings (large device copy, bf16 GEMM). attnrt runs through its paged cache (pages of
+64 scattered, 128, and one page per request); torch runs contiguous tensors.
+
+Usage: cuda_side_by_side.py [path/to/attnrt]   (default build/bin/attnrt)
+Prints one table; the last column is attnrt's speed over the cuDNN backend's."""
+import json
+import os
+import subprocess
+import sys
+
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -21,43 +31,61 @@ def bench(fn, reps=20):
     return ts[len(ts) // 2]
 
 
-def main():
+def attnrt_cases(exe):
+    out = subprocess.run([exe, "bench", "--device", "cuda:0", "--suite", "cuda-dense", "--json",
+                          "--repeat", "7"], check=True, capture_output=True, text=True).stdout
+    return json.loads(out)
+
+
+def sdpa_ms(bsz, s, prefill, backend, hq=32, hkv=8, d=128):
     dev = torch.device("cuda")
+    q = torch.randn(bsz, hq, s if prefill else 1, d, device=dev, dtype=torch.bfloat16)
+    k = torch.randn(bsz, hkv, s, d, device=dev, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    with sdpa_kernel(backend):
+        return bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=prefill,
+                                                            enable_gqa=True), 10 if prefill else 20)
+
+
+def main():
+    exe = sys.argv[1] if len(sys.argv) > 1 else "build/bin/attnrt"
     print("device:", torch.cuda.get_device_name(), "torch", torch.__version__)
+    res = attnrt_cases(exe)
+    dev = torch.device("cuda")
     x = torch.empty(4 << 30, dtype=torch.uint8, device=dev)
     y = torch.empty_like(x)
-    ms = bench(lambda: y.copy_(x), 10)
-    print(f"CEIL copy {2 * x.numel() / ms / 1e9:.2f} TB/s")
+    copy_tbs = 2 * x.numel() / bench(lambda: y.copy_(x), 10) / 1e9
     del x, y
     a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
     b = torch.randn_like(a)
-    ms = bench(lambda: a @ b, 10)
-    print(f"CEIL bf16 gemm {2 * 8192**3 / ms / 1e9:.1f} TFLOP/s")
-    hq, hkv, d = 32, 8, 128
-    for name, bsz, s in [("prefill 4k x4", 4, 4096), ("prefill 16k", 1, 16384), ("prefill 64k", 1, 65536)]:
-        q = torch.randn(bsz, hq, s, d, device=dev, dtype=torch.bfloat16)
-        k = torch.randn(bsz, hkv, s, d, device=dev, dtype=torch.bfloat16)
-        v = torch.randn_like(k)
-        flops = 4.0 * bsz * hq * d * s * (s + 1) / 2
-        for be_name, be in [("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)]:
-            try:
-                with sdpa_kernel(be):
-                    ms = bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True), 10)
-                print(f"SDPA {name:16s} {be_name:6s} {ms:9.3f} ms {flops / ms / 1e9:8.1f} TFLOP/s")
-            except Exception as e:  # report, don't hide
-                print(f"SDPA {name:16s} {be_name:6s} failed: {str(e)[:100]}")
-    for name, bsz, s in [("decode 1x128k", 1, 131072), ("decode 32x8k", 32, 8192), ("decode 64x32k", 64, 32768)]:
-        q = torch.randn(bsz, hq, 1, d, device=dev, dtype=torch.bfloat16)
-        k = torch.randn(bsz, hkv, s, d, device=dev, dtype=torch.bfloat16)
-        v = torch.randn_like(k)
-        kvb = 2.0 * k.numel() * 2
-        for be_name, be in [("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)]:
-            try:
-                with sdpa_kernel(be):
-                    ms = bench(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), 20)
-                print(f"SDPA {name:16s} {be_name:6s} {ms:9.3f} ms {kvb / ms / 1e9:8.2f} TB/s(kv)")
-            except Exception as e:
-                print(f"SDPA {name:16s} {be_name:6s} failed: {str(e)[:100]}")
+    gemm_tf = 2 * 8192 ** 3 / bench(lambda: a @ b, 10) / 1e9
+    del a, b
+    print(f"CEIL copy {copy_tbs:.2f} TB/s   bf16 GEMM {gemm_tf:.1f} TFLOP/s")
+    peer = {}
+    hdr = f"{'shape':24s} {'attnrt ms':>10s} {'rate':>14s} {'flash ms':>9s} {'cudnn ms':>9s} " \
+          f"{'x flash':>8s} {'x cudnn':>8s} {'%ceil':>6s}"
+    print(hdr)
+    for c in res["cases"]:
+        prefill = c["op"] == "dense_extend"
+        key = (c["batch"], c["kv_len"], prefill)
+        if key not in peer:
+            peer[key] = {}
+            for name, be in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+                try:
+                    peer[key][name] = sdpa_ms(c["batch"], c["kv_len"], prefill, be)
+                except Exception as e:  # report, do not hide
+                    print(f"SDPA {name} failed for {c['case']}: {str(e)[:100]}")
+            torch.cuda.empty_cache()
+        ms = c["median_ms"]
+        if prefill:
+            rate, ceil = f"{c['gflops'] / 1e3:8.1f} TFLOP/s", c["gflops"] / 1e3 / gemm_tf
+        else:
+            rate, ceil = f"{c['gbps'] / 1e3:8.2f} TB/s ", c["gbps"] / 1e3 / copy_tbs
+        fl, cu = peer[key].get("flash"), peer[key].get("cudnn")
+        print(f"{c['case']:24s} {ms:10.3f} {rate:>14s} {fl or float('nan'):9.3f} "
+              f"{cu or float('nan'):9.3f} {(fl / ms) if fl else float('nan'):7.2f}x "
+              f"{(cu / ms) if cu else float('nan'):7.2f}x {100 * ceil:5.1f}%")
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":

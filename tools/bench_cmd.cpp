@@ -32,16 +32,20 @@ using namespace attnrt;
 using Clock = std::chrono::steady_clock;
 
 struct BenchOpts {
-  std::string suite = "cpu-m3", op, dtype = "bf16", backend = "cpu", device = "cpu";
+  std::string suite, op, dtype = "bf16", backend, device = "cpu";
   int batch = 1, q_len = 0, kv_len = 4096, repeat = 5, warmup = 1, threads = 0;
+  int q_heads = 16, kv_heads = 1, head_dim = 128, page_size = 128;
   bool json = false;
 };
 
+// One timed case. Heads and page size default to the minimax-m3-tp4 per-rank shape (16 q heads,
+// 1 KV head, D=128; 1 index head, D_idx=128; block 128, top-16; page 128).
 struct CaseSpec {
   std::string name;
   Op op;
   DType dt;
   int batch, q_len, kv_len;
+  int hq = 16, hkv = 1, d = 128, page = 128;
 };
 
 double seconds_since(Clock::time_point t0) {
@@ -192,13 +196,22 @@ struct Buffer {
   DeviceBuffer dev;
 };
 
+// Random data (never zeros: they hide unwritten outputs and can run faster than real data). A
+// cheap approximately normal generator (sum of four uniforms), since GPU shapes fill gigabytes.
 void fill(Runtime& rt, const Device& d, Buffer& b, DType dt, int64_t n, std::mt19937_64& rng) {
   b.host.resize(std::max<int64_t>(n, 1) * dtype_size(dt));
   if (dt == DType::i32) {
     std::memset(b.host.data(), 0, b.host.size());
   } else {
-    std::normal_distribution<float> nd;
-    for (int64_t i = 0; i < n; ++i) store_from_f32(b.host.data(), dt, i, nd(rng));
+    uint64_t x = rng() | 1;
+    for (int64_t i = 0; i < n; ++i) {
+      float sum = 0;
+      for (int k = 0; k < 4; ++k) {
+        x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+        sum += float(x >> 40) * (1.0f / 16777216.0f);
+      }
+      store_from_f32(b.host.data(), dt, i, (sum - 2.0f) * 1.7320508f);
+    }
   }
   b.dev = rt.allocate(d, b.host.size());
   rt.copy_to_device(b.dev, b.host.data(), b.host.size());
@@ -210,7 +223,7 @@ struct Ceilings {
 
 nlohmann::json run_case(Runtime& rt, const Device& dev, const CaseSpec& c, const BenchOpts& o,
                         const Ceilings& ceil) {
-  const int Hq = 16, Hkv = 1, D = 128, Hi = 1, Di = 128, B = 128, K = 16, P = 128;
+  const int Hq = c.hq, Hkv = c.hkv, D = c.d, Hi = 1, Di = 128, B = 128, K = 16, P = c.page;
   Problem p;
   p.op = c.op;
   p.device = dev;
@@ -290,16 +303,25 @@ nlohmann::json run_case(Runtime& rt, const Device& dev, const CaseSpec& c, const
   auto plan = rt.plan(p, L);  // once, like a forward pass reuses it over its layers
   for (int i = 0; i < o.warmup; ++i) rt.run(*plan, t);
   rt.synchronize(dev);
-  std::vector<double> ts;
-  for (int i = 0; i < o.repeat; ++i) {
+  // On an accelerator, one sample queues enough runs for >= 2 ms so that launch and
+  // synchronisation latency do not dominate short kernels; a sample's time is per run.
+  int per_sample = 1;
+  if (dev.kind != DeviceKind::cpu) {
     const auto t0 = Clock::now();
     rt.run(*plan, t);
     rt.synchronize(dev);
-    ts.push_back(seconds_since(t0));
+    per_sample = int(std::clamp(2e-3 / std::max(seconds_since(t0), 1e-7), 1.0, 200.0));
+  }
+  std::vector<double> ts;
+  for (int i = 0; i < o.repeat; ++i) {
+    const auto t0 = Clock::now();
+    for (int k = 0; k < per_sample; ++k) rt.run(*plan, t);
+    rt.synchronize(dev);
+    ts.push_back(seconds_since(t0) / per_sample);
   }
   std::sort(ts.begin(), ts.end());
   const double med = ts[ts.size() / 2];
-  const double roof = std::max(flops / ceil.fma, bytes / ceil.stream);
+  const double roof = ceil.fma > 0 ? std::max(flops / ceil.fma, bytes / ceil.stream) : 0.0;
   nlohmann::json r = {{"case", c.name},
                       {"op", op_name(c.op)},
                       {"dtype", dtype_name(c.dt)},
@@ -307,6 +329,10 @@ nlohmann::json run_case(Runtime& rt, const Device& dev, const CaseSpec& c, const
                       {"batch", c.batch},
                       {"q_len", c.q_len},
                       {"kv_len", c.kv_len},
+                      {"q_heads", c.hq},
+                      {"kv_heads", c.hkv},
+                      {"head_dim", c.d},
+                      {"page_size", c.page},
                       {"median_ms", med * 1e3},
                       {"min_ms", ts.front() * 1e3},
                       {"ms_per_sequence", med * 1e3 / c.batch},
@@ -314,9 +340,13 @@ nlohmann::json run_case(Runtime& rt, const Device& dev, const CaseSpec& c, const
                       {"mbytes", bytes / 1e6},
                       {"gflops", flops / med / 1e9},
                       {"gbps", bytes / med / 1e9},
-                      {"roofline_ms", roof * 1e3},
-                      {"bound", flops / ceil.fma >= bytes / ceil.stream ? "compute" : "memory"},
-                      {"frac_roofline", roof / med}};
+                      {"runs_per_sample", per_sample}};
+  // Ceilings are measured for the host only; an accelerator's are measured beside its peer
+  // (bench/cuda_side_by_side.py).
+  r["roofline_ms"] = roof > 0 ? nlohmann::json(roof * 1e3) : nlohmann::json();
+  r["bound"] = roof > 0 ? nlohmann::json(flops / ceil.fma >= bytes / ceil.stream ? "compute" : "memory")
+                        : nlohmann::json();
+  r["frac_roofline"] = roof > 0 ? nlohmann::json(roof / med) : nlohmann::json();
   r["frac_sgemm"] = ceil.sgemm > 0 ? nlohmann::json(flops / med / ceil.sgemm) : nlohmann::json();
   return r;
 }
@@ -336,13 +366,36 @@ std::vector<CaseSpec> cpu_m3_suite() {
   return cases;
 }
 
+// Dense attention at the shapes PyTorch SDPA is compared on (Hq=32, Hkv=8, d=128, bf16):
+// causal prefill and decode, through pages of 64 (scattered), 128, and one page per request.
+std::vector<CaseSpec> cuda_dense_suite() {
+  std::vector<CaseSpec> cases;
+  auto add = [&](std::string name, Op op, int batch, int len, int page) {
+    CaseSpec c{std::move(name), op, DType::bf16, batch, op == Op::dense_extend ? len : 1, len};
+    c.hq = 32, c.hkv = 8, c.d = 128, c.page = page;
+    cases.push_back(c);
+  };
+  add("prefill 4k x4", Op::dense_extend, 4, 4096, 64);
+  add("prefill 16k", Op::dense_extend, 1, 16384, 64);
+  add("prefill 64k", Op::dense_extend, 1, 65536, 64);
+  for (auto [b, len] : {std::pair{1, 131072}, {32, 8192}, {64, 32768}}) {
+    const std::string name = "decode " + std::to_string(b) + "x" + std::to_string(len / 1024) + "k";
+    add(name, Op::dense_decode, b, len, 64);
+    add(name + " p128", Op::dense_decode, b, len, 128);
+    add(name + " contig", Op::dense_decode, b, len, len);
+  }
+  return cases;
+}
+
 }  // namespace
 
 void add_bench_command(CLI::App& app) {
   auto o = std::make_shared<BenchOpts>();
   auto* cmd = app.add_subcommand("bench", "benchmark attention ops against measured ceilings");
-  cmd->add_option("--suite", o->suite, "named suite: cpu-m3 (minimax-m3-tp4 shapes)")
-      ->capture_default_str();
+  cmd->add_option("--suite", o->suite,
+                  "named suite: cpu-m3 (minimax-m3-tp4 shapes, all ops; the default on cpu) or "
+                  "cuda-dense (Hq=32 Hkv=8 d=128 prefill/decode, paged and contiguous; the "
+                  "default on cuda)");
   cmd->add_option("--op", o->op, "a single custom case of this op (e.g. dense_extend)");
   cmd->add_option("--batch", o->batch, "custom case: requests")->capture_default_str();
   cmd->add_option("--q-len", o->q_len, "custom case: query tokens (0: kv_len for extend)");
@@ -351,20 +404,28 @@ void add_bench_command(CLI::App& app) {
   cmd->add_option("--repeat", o->repeat, "timed runs per case (median reported)")
       ->capture_default_str();
   cmd->add_option("--warmup", o->warmup, "untimed runs per case first")->capture_default_str();
+  cmd->add_option("--q-heads", o->q_heads, "custom case: query heads")->capture_default_str();
+  cmd->add_option("--kv-heads", o->kv_heads, "custom case: KV heads")->capture_default_str();
+  cmd->add_option("--head-dim", o->head_dim, "custom case: head dim")->capture_default_str();
+  cmd->add_option("--page-size", o->page_size, "custom case: KV page size")->capture_default_str();
   cmd->add_option("--threads", o->threads, "cpu threads (0: ATTNRT_NUM_THREADS or all cores)");
-  cmd->add_option("--backend", o->backend, "backend to force (fails if it cannot serve)")
-      ->capture_default_str();
+  cmd->add_option("--backend", o->backend,
+                  "backend to force, failing if it cannot serve (default: cpu on the host, "
+                  "automatic choice on an accelerator)");
   cmd->add_option("--device", o->device, "cpu or cuda:N")->capture_default_str();
   cmd->add_flag("--json", o->json, "machine-readable output");
   cmd->callback([o] {
     if (o->repeat < 1) throw InvalidArgument("bench: --repeat " + std::to_string(o->repeat) + " (expected >= 1)");
     if (o->warmup < 0) throw InvalidArgument("bench: --warmup " + std::to_string(o->warmup) + " (expected >= 0)");
     if (o->threads < 0) throw InvalidArgument("bench: --threads " + std::to_string(o->threads) + " (expected >= 0)");
+    const Device dev = Device::parse(o->device);
+    const bool host = dev.kind == DeviceKind::cpu;
+    std::string backend = o->backend.empty() && host ? "cpu" : o->backend;
     RuntimeOptions ro;
-    ro.force_backend = o->backend;
+    ro.force_backend = backend;
     if (o->threads > 0) ro.num_threads = o->threads;
     Runtime rt(ro);
-    const Device dev = Device::parse(o->device);
+    if (backend.empty()) backend = "auto";
     int threads = o->threads;
     if (threads == 0) {
       const char* env = std::getenv("ATTNRT_NUM_THREADS");
@@ -376,21 +437,31 @@ void add_bench_command(CLI::App& app) {
       const Op op = parse_op(o->op);
       if (o->batch < 1 || o->kv_len < 1)
         throw InvalidArgument("bench: --batch and --kv-len must be >= 1");
+      if (o->page_size < 1)
+        throw InvalidArgument("bench: --page-size " + std::to_string(o->page_size) + " (expected >= 1)");
       const int ql = is_decode(op) ? 1 : (o->q_len > 0 ? o->q_len : o->kv_len);
       if (ql > o->kv_len) throw InvalidArgument("bench: --q-len " + std::to_string(ql) + " > --kv-len");
-      cases.push_back({"custom", op, parse_dtype(o->dtype, "--dtype"), o->batch, ql, o->kv_len});
-    } else if (o->suite == "cpu-m3") {
-      cases = cpu_m3_suite();
+      CaseSpec c{"custom", op, parse_dtype(o->dtype, "--dtype"), o->batch, ql, o->kv_len};
+      c.hq = o->q_heads, c.hkv = o->kv_heads, c.d = o->head_dim, c.page = o->page_size;
+      cases.push_back(c);
     } else {
-      throw InvalidArgument("bench: --suite '" + o->suite + "' unknown (expected cpu-m3)");
+      const std::string suite = o->suite.empty() ? (host ? "cpu-m3" : "cuda-dense") : o->suite;
+      if (suite == "cpu-m3")
+        cases = cpu_m3_suite();
+      else if (suite == "cuda-dense")
+        cases = cuda_dense_suite();
+      else
+        throw InvalidArgument("bench: --suite '" + suite + "' unknown (expected cpu-m3 or cuda-dense)");
     }
     Ceilings ceil;
     std::string isa, blas_note;
-    ceil.fma = measure_fma_peak(threads, &isa);
-    ceil.sgemm = measure_sgemm(threads, &blas_note);
-    ceil.stream = measure_stream_read(threads);
+    if (host) {
+      ceil.fma = measure_fma_peak(threads, &isa);
+      ceil.sgemm = measure_sgemm(threads, &blas_note);
+      ceil.stream = measure_stream_read(threads);
+    }
     nlohmann::json res = {{"threads", threads},
-                          {"backend", o->backend},
+                          {"backend", backend},
                           {"device", dev.str()},
                           {"fma_peak_gflops", ceil.fma / 1e9},
                           {"fma_isa", isa},
@@ -417,22 +488,27 @@ void add_bench_command(CLI::App& app) {
       std::cout << res.dump(2) << "\n";
       return;
     }
-    std::printf("backend %s  threads %d  fp32 FMA peak %.1f GFLOP/s (%s)  sgemm %.1f GFLOP/s (%s)"
-                "  stream read %.1f GB/s\n",
-                o->backend.c_str(), threads, ceil.fma / 1e9, isa.c_str(), ceil.sgemm / 1e9,
-                blas_note.c_str(), ceil.stream / 1e9);
+    if (host)
+      std::printf("backend %s  threads %d  fp32 FMA peak %.1f GFLOP/s (%s)  sgemm %.1f GFLOP/s (%s)"
+                  "  stream read %.1f GB/s\n",
+                  backend.c_str(), threads, ceil.fma / 1e9, isa.c_str(), ceil.sgemm / 1e9,
+                  blas_note.c_str(), ceil.stream / 1e9);
+    else
+      std::printf("backend %s  device %s  (ceilings: bench/cuda_side_by_side.py measures them)\n",
+                  backend.c_str(), dev.str().c_str());
     std::printf("%-24s %-5s %10s %9s %9s %8s %8s %7s\n", "case", "dtype", "median_ms", "ms/seq",
                 "GFLOP/s", "GB/s", "%roof", "%sgemm");
-    for (auto& r : res["cases"]) {
-      char sg[16] = "-";
-      if (!r["frac_sgemm"].is_null())
-        std::snprintf(sg, sizeof sg, "%.1f%%", 100 * r["frac_sgemm"].get<double>());
-      std::printf("%-24s %-5s %10.2f %9.3f %9.1f %8.1f %7.1f%% %7s\n",
+    auto pct = [](const nlohmann::json& v) {
+      char b[16] = "-";
+      if (!v.is_null()) std::snprintf(b, sizeof b, "%.1f%%", 100 * v.get<double>());
+      return std::string(b);
+    };
+    for (auto& r : res["cases"])
+      std::printf("%-24s %-5s %10.3f %9.3f %9.1f %8.1f %8s %7s\n",
                   r["case"].get<std::string>().c_str(), r["dtype"].get<std::string>().c_str(),
                   r["median_ms"].get<double>(), r["ms_per_sequence"].get<double>(),
                   r["gflops"].get<double>(), r["gbps"].get<double>(),
-                  100 * r["frac_roofline"].get<double>(), sg);
-    }
+                  pct(r["frac_roofline"]).c_str(), pct(r["frac_sgemm"]).c_str());
     for (auto& d : res["sparse_vs_dense"])
       std::printf("sparse extend %s: %.2fx (selected fraction %.3f x dense extend time)\n",
                   d["dtype"].get<std::string>().c_str(),
