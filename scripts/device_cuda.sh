@@ -3,7 +3,10 @@
 # own timings, `attnrt doctor` / `attnrt run --device cuda:0 --check`, then the PyTorch side by
 # side. Logs under $OUT. Binaries come from the dev box: carry build/bin/{attnrt,attnrt_gpu_tests,
 # attnrt_gpu_sparse_tests} and build/lib/{libattnrt.so.0.1.0,libattnrt_cuda.so}.
-# Usage: scripts/device_cuda.sh [build-dir] [steps...]   (steps: tests sparse memcheck bench run torch)
+# Usage: scripts/device_cuda.sh [build-dir] [steps...]
+#   steps: tests sparse memcheck bench run torch m3   (default: all but m3)
+#   m3: `attnrt run --device cuda:0 --check` on minimax-m3-tp4 with a 64k prompt (the last 8
+#       query tokens of the prompt checked per layer; several minutes of host reference).
 set -uo pipefail
 B=${1:-build}
 shift || true
@@ -26,8 +29,6 @@ if has memcheck && command -v compute-sanitizer >/dev/null; then
     --gtest_filter='*Sweep*:*Graph*' 2>&1 | tee "$OUT/memcheck.log" | tail -4
 fi
 if has bench; then
-  ATTNRT_GPU_BENCH=1 timeout 240 "$B/bin/attnrt_gpu_tests" --gtest_filter=*Bench* 2>&1 |
-    tee "$OUT/bench_dense.log" | grep -E "BENCH|FAIL"
   ATTNRT_GPU_BENCH=1 timeout 150 "$B/bin/attnrt_gpu_sparse_tests" --gtest_filter=*Bench* 2>&1 |
     tee "$OUT/bench_sparse.log" | grep -E "BENCH|FAIL"
 fi
@@ -37,5 +38,11 @@ if has run; then
   timeout 120 "$B/bin/attnrt" run --device cuda:0 --check 2>&1 | tee "$OUT/run.log" | tail -20
 fi
 if has torch; then
-  PYTHONUNBUFFERED=1 timeout 200 python3 bench/cuda_side_by_side.py 2>&1 | tee "$OUT/bench_torch.log"
+  PYTHONUNBUFFERED=1 timeout 300 python3 bench/cuda_side_by_side.py "$B/bin/attnrt" 2>&1 |
+    tee "$OUT/side_by_side.log"
+fi
+if has m3; then
+  export ATTNRT_PLUGIN_PATH="$B/lib"
+  timeout 420 "$B/bin/attnrt" run --device cuda:0 --model minimax-m3-tp4 --prompt-len 65536 \
+    --decode-steps 2 --check --check-rows 8 2>&1 | grep -v "^attnrt run: " | tee "$OUT/run_m3.log" | tail -16
 fi

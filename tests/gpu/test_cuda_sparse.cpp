@@ -499,6 +499,8 @@ TEST(CudaSparse, IndexerMatchesReference) {
       {false, ATTNRT_F16, 4, 128, 64, 32, 8, 2, 4, 1, 2, 90, 1200},
       {false, ATTNRT_BF16, 1, 64, 48, 16, 4, 1, 2, 0, 3, 33, 600},  // block 48: not a chunk multiple
       {false, ATTNRT_BF16, 4, 128, 128, 48, 16, 1, 2, 1, 1, 300, 300},  // no prefix
+      {false, ATTNRT_BF16, 2, 32, 16, 16, 4, 1, 1, 0, 2, 40, 300},  // index_dim 32 (tiny preset)
+      {true, ATTNRT_F16, 2, 32, 16, 16, 4, 1, 1, 1, 3, 1, 500},
   };
   int it = 0;
   for (const C& c : cases) {

@@ -531,6 +531,35 @@ cudaError_t prepare_t(int d, bool decode) {
   }
 }
 
+// Decode CTAs of this head dim that fit on one multiprocessor at once.
+template <typename T>
+cudaError_t resident_per_sm(int d, int* out) {
+  auto q = [&](auto kernel, size_t smem) {
+    return cudaOccupancyMaxActiveBlocksPerMultiprocessor(out, kernel, kThreads, smem);
+  };
+  switch (d) {
+    case 64: return q(attn_mma_kernel<T, 64, true>, Cfg<64, true>::smem_bytes(sizeof(T)));
+    case 128: return q(attn_mma_kernel<T, 128, true>, Cfg<128, true>::smem_bytes(sizeof(T)));
+    default: return q(attn_mma_kernel<T, 256, true>, Cfg<256, true>::smem_bytes(sizeof(T)));
+  }
+}
+
+// Split count for `base` (request, kv head, head chunk) CTAs on `slots` resident CTA slots, at
+// most `max_splits`: the smallest whose grid fills its last wave to >= 90%, else the fullest.
+int decode_splits(int64_t base, int64_t slots, int64_t max_splits) {
+  int best = 1;
+  double best_fill = 0;
+  for (int64_t s = 1; s <= max_splits; ++s) {
+    const int64_t ctas = base * s;
+    const int64_t waves = (ctas + slots - 1) / slots;
+    const double fill = static_cast<double>(ctas) / static_cast<double>(waves * slots);
+    if (fill >= 0.9) return static_cast<int>(s);
+    if (fill > best_fill + 1e-9) best = static_cast<int>(s), best_fill = fill;
+    if (waves > 8) break;  // enough waves that the tail no longer matters
+  }
+  return best;
+}
+
 template <typename T>
 int32_t upload(T** dst, const T* src, size_t count, size_t capacity, char* err, size_t cap) {
   DK_CK(cudaMalloc(reinterpret_cast<void**>(dst), sizeof(T) * std::max<size_t>(capacity, 1)));
@@ -612,17 +641,20 @@ int32_t plan_impl(const attnrt_problem* p, const attnrt_layout* L, int sms, Dens
     pl->num_tiles = static_cast<int>(tiles.size());
     return upload(&pl->d_tiles, tiles.data(), tiles.size(), tiles.size(), err, cap);
   }
-  // Decode: CTAs = requests x splits x kv heads x head chunks. Split long contexts when there
-  // are few (request, kv head) pairs so that ~4 CTAs per multiprocessor exist; a split keeps
-  // at least 512 keys. Uniform over requests so the grid (and a captured graph) stays fixed.
+  // Decode: CTAs = requests x splits x kv heads x head chunks, uniform over requests so the grid
+  // (and a captured graph) stays fixed. The split count fills the resident CTA slots of the
+  // device in whole waves: the smallest count whose last wave is >= 90% full (a 1.3-wave grid
+  // leaves most of the device idle during its tail), a split keeping >= 512 keys.
   const int group = p->num_q_heads / p->num_kv_heads;
   pl->head_chunks = (group + 15) / 16;
   int max_kv = 0;
   for (int b = 0; b < n; ++b) max_kv = std::max(max_kv, L->kv_len[b]);
-  const int64_t base = static_cast<int64_t>(std::max(n, 1)) * p->num_kv_heads * pl->head_chunks;
-  const int64_t want = (4LL * sms + base - 1) / base;
-  const int64_t by_len = std::max<int64_t>(1, (max_kv + 511) / 512);
-  pl->splits = static_cast<int>(std::max<int64_t>(1, std::min(want, by_len)));
+  int per_sm = 1;
+  DK_CK(p->q_dtype == ATTNRT_BF16 ? resident_per_sm<__nv_bfloat16>(p->head_dim, &per_sm)
+                                  : resident_per_sm<__half>(p->head_dim, &per_sm));
+  pl->splits = decode_splits(static_cast<int64_t>(std::max(n, 1)) * p->num_kv_heads * pl->head_chunks,
+                             static_cast<int64_t>(sms) * std::max(per_sm, 1),
+                             std::max<int64_t>(1, (max_kv + 511) / 512));
   const size_t rows = static_cast<size_t>(n) * pl->splits * p->num_q_heads;
   DK_CK(cudaMalloc(reinterpret_cast<void**>(&pl->d_part_o),
                    sizeof(float) * std::max<size_t>(rows * p->head_dim, 1)));

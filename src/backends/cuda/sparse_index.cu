@@ -288,10 +288,15 @@ cudaError_t launch_t(const IndexArgs& a, int rw, cudaStream_t st) {
 int launch_index(const IndexArgs& a, int dtype, int rows_per_tile, void* stream) {
   cudaStream_t st = static_cast<cudaStream_t>(stream);
   const int rw = rows_per_tile == 64 ? 4 : 1;
-  if (dtype == ATTNRT_BF16) {
-    return a.D == 64 ? launch_t<__nv_bfloat16, 64>(a, rw, st) : launch_t<__nv_bfloat16, 128>(a, rw, st);
-  }
-  return a.D == 64 ? launch_t<__half, 64>(a, rw, st) : launch_t<__half, 128>(a, rw, st);
+  auto by_dim = [&](auto tag) {
+    using T = decltype(tag);
+    switch (a.D) {
+      case 32: return launch_t<T, 32>(a, rw, st);
+      case 64: return launch_t<T, 64>(a, rw, st);
+      default: return launch_t<T, 128>(a, rw, st);
+    }
+  };
+  return dtype == ATTNRT_BF16 ? by_dim(__nv_bfloat16{}) : by_dim(__half{});
 }
 
 }  // namespace attnrt_cuda_sparse

@@ -78,7 +78,8 @@ struct AttendArgs {
   int rows;
 };
 
-// Launchers (dtype: ATTNRT_BF16 or ATTNRT_F16; D: 64 or 128). Return cudaError_t as int.
+// Launchers (dtype: ATTNRT_BF16 or ATTNRT_F16; index D: 32, 64 or 128; attend D: 64 or 128).
+// Return cudaError_t as int.
 int launch_index(const IndexArgs& a, int dtype, int rows_per_tile, void* stream);
 int launch_attend(const AttendArgs& a, int dtype, void* stream);
 

@@ -186,9 +186,9 @@ int32_t probe(const attnrt_problem* p, int cc_major, char* err, size_t cap) {
   if (p->num_index_heads < 1)
     return say(err, cap, ATTNRT_UNAVAILABLE, "num_index_heads %d < 1", p->num_index_heads);
   if (is_index_op(p->op)) {
-    if (p->index_dim != 64 && p->index_dim != 128)
-      return say(err, cap, ATTNRT_UNAVAILABLE, "index_dim %d not supported by cuda sparse (64, 128)",
-                 p->index_dim);
+    if (p->index_dim != 32 && p->index_dim != 64 && p->index_dim != 128)
+      return say(err, cap, ATTNRT_UNAVAILABLE,
+                 "index_dim %d not supported by cuda sparse (32, 64, 128)", p->index_dim);
     if (p->score_type != 0 && p->score_type != 1)
       return say(err, cap, ATTNRT_UNAVAILABLE, "score_type %d unknown", p->score_type);
     return ATTNRT_OK;
