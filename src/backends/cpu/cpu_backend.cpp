@@ -31,6 +31,7 @@
 #include "core/cpu_dispatch.h"
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <condition_variable>
@@ -350,14 +351,43 @@ ATTNRT_CLONES void attend_tile(int MV, const TileState& s, const float* k, const
   }
 }
 
+// Sum of the 16 lanes, as a fixed tree (deterministic).
+ATTNRT_AI float hsum(vf v) {
+  typedef float v8 __attribute__((vector_size(32)));
+  typedef float v4 __attribute__((vector_size(16)));
+  const v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+               __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+// The single-row form of qk_tile (one query row: the decode indexer with one index head, where
+// the 16-row form would waste 15 of 16 lanes): sT[n][*] = dot(k[n], q), vectorised over d
+// (D a multiple of 16), the score broadcast over the row vector.
+ATTNRT_AI void qk_row(const float* q, const float* k, int D, int npad, float* sT) {
+  for (int n = 0; n < npad; n += 4) {
+    vf a[4] = {};
+    const float* kr = k + static_cast<int64_t>(n) * D;
+    for (int d = 0; d < D; d += W) {
+      const vf qv = loadv(q + d);
+      for (int i = 0; i < 4; ++i) a[i] += loadv(kr + i * D + d) * qv;
+    }
+    for (int i = 0; i < 4; ++i) storev(sT + (n + i) * W, bcast(hsum(a[i])));
+  }
+}
+
 // Indexer step over a tile: scores (natural-log units, q pre-scaled by index_scale) reduced
-// into per-block statistics bm[c][m] (max) and, for lse, bsum[c][m] relative to bm.
+// into per-block statistics bm[c][m] (max) and, for lse, bsum[c][m] relative to bm. qrow: the
+// single query row when there is one and D is a multiple of 16 (else nullptr).
 template <int MV>
-ATTNRT_AI void index_tile_impl(const float* qT, int D, const int32_t* rowpos, const float* k,
-                               const int32_t* jpos, int npad, int nvalid, float* sT, int B,
-                               bool lse, float* bm, float* bsum) {
+ATTNRT_AI void index_tile_impl(const float* qT, const float* qrow, int D, const int32_t* rowpos,
+                               const float* k, const int32_t* jpos, int npad, int nvalid,
+                               float* sT, int B, bool lse, float* bm, float* bsum) {
   constexpr int Mp = 16 * MV;
-  qk_tile<MV>(qT, k, D, npad, sT);
+  if (MV == 1 && qrow != nullptr)
+    qk_row(qrow, k, D, npad, sT);
+  else
+    qk_tile<MV>(qT, k, D, npad, sT);
   vi rp[MV];
   for (int u = 0; u < MV; ++u) std::memcpy(&rp[u], rowpos + u * W, sizeof(vi));
   const vf ninf = bcast(kNegInf);
@@ -392,14 +422,14 @@ ATTNRT_AI void index_tile_impl(const float* qT, int D, const int32_t* rowpos, co
   }
 }
 
-ATTNRT_CLONES void index_tile(int MV, const float* qT, int D, const int32_t* rowpos, const float* k,
-                              const int32_t* jpos, int npad, int nvalid, float* sT, int B, bool lse,
-                              float* bm, float* bsum) {
+ATTNRT_CLONES void index_tile(int MV, const float* qT, const float* qrow, int D,
+                              const int32_t* rowpos, const float* k, const int32_t* jpos, int npad,
+                              int nvalid, float* sT, int B, bool lse, float* bm, float* bsum) {
   switch (MV) {
-    case 1: index_tile_impl<1>(qT, D, rowpos, k, jpos, npad, nvalid, sT, B, lse, bm, bsum); break;
-    case 2: index_tile_impl<2>(qT, D, rowpos, k, jpos, npad, nvalid, sT, B, lse, bm, bsum); break;
-    case 3: index_tile_impl<3>(qT, D, rowpos, k, jpos, npad, nvalid, sT, B, lse, bm, bsum); break;
-    default: index_tile_impl<4>(qT, D, rowpos, k, jpos, npad, nvalid, sT, B, lse, bm, bsum); break;
+    case 1: index_tile_impl<1>(qT, qrow, D, rowpos, k, jpos, npad, nvalid, sT, B, lse, bm, bsum); break;
+    case 2: index_tile_impl<2>(qT, qrow, D, rowpos, k, jpos, npad, nvalid, sT, B, lse, bm, bsum); break;
+    case 3: index_tile_impl<3>(qT, qrow, D, rowpos, k, jpos, npad, nvalid, sT, B, lse, bm, bsum); break;
+    default: index_tile_impl<4>(qT, qrow, D, rowpos, k, jpos, npad, nvalid, sT, B, lse, bm, bsum); break;
   }
 }
 
@@ -654,8 +684,11 @@ class CpuBackend final : public Backend {
     for (int b = 0; b < L.num_requests(); ++b)
       max_blocks = std::max<int>(max_blocks, static_cast<int>((L.kv_len[b] + B - 1) / B));
     pl.max_blocks = max_blocks;
-    // Tokens per item: up to 64 rows, fewer when the per-block score buffer would be large.
-    int QT = std::max(1, kMaxRows / hc);
+    // Tokens per item: up to 64 rows, no more tokens than a request has (decode: one, so the
+    // row vectors are not mostly padding), fewer when the per-block score buffer would be large.
+    int max_q = 1;
+    for (int b = 0; b < L.num_requests(); ++b) max_q = std::max(max_q, L.q_len[b]);
+    int QT = std::min(max_q, std::max(1, kMaxRows / hc));
     const int lse = p.score_type == ScoreType::lse ? 2 : 1;
     while (QT > 1 && static_cast<size_t>(max_blocks) * round16(QT * hc) * lse > (size_t(1) << 20))
       QT /= 2;
@@ -890,6 +923,13 @@ class CpuBackend final : public Backend {
       const int64_t off = (it.row0 + tok) * t.index_q.strides[0] + h * t.index_q.strides[1];
       for (int x = 0; x < Di; ++x) qT[x * Mp + r] = load_as_f32(t.index_q.data, p.q_dtype, off + x) * s;
     }
+    // One row (decode, one index head): the dot-product form of the scores.
+    std::array<float, 256> qrow_buf;
+    const float* qrow = nullptr;
+    if (M == 1 && Di % W == 0 && Di <= 256) {
+      for (int x = 0; x < Di; ++x) qrow_buf[x] = qT[x * Mp];
+      qrow = qrow_buf.data();
+    }
     const std::pair<int64_t, int64_t> seg{0, last + 1};
     KeyCursor cur(&seg, 1);
     while (!cur.done()) {
@@ -897,7 +937,7 @@ class CpuBackend final : public Backend {
       const int n = fill_tile(cur, t.index_k_cache, nullptr, p.kv_dtype, L, b, 0, Di, kt, nullptr,
                               jpos, &npad);
       prefetch_tile(cur, t.index_k_cache, nullptr, L, b, 0, Di);
-      index_tile(MV, qT, Di, rowpos, kt, jpos, npad, n, sT, B, lse, bm, bsum);
+      index_tile(MV, qT, qrow, Di, rowpos, kt, jpos, npad, n, sT, B, lse, bm, bsum);
     }
     for (int r = 0; r < M; ++r) {
       const int tok = r / hc, h = it.g + r % hc;
