@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <functional>
+#include <limits>
 
 #include "support.h"
 
@@ -173,6 +174,47 @@ TEST_F(Validate, ProblemFields) {
     c.p.num_index_heads = 3;
     expect_call_invalid(c, {"num_index_heads 3 % num_kv_heads 2"});
   }
+  {
+    Call c(Op::dense_extend);
+    c.p.op = static_cast<Op>(9);
+    expect_call_invalid(c, {"op 9", "expected one of the 6 ops"});
+  }
+  {
+    Call c(Op::dense_decode);
+    c.p.kv_dtype = DType::i32;
+    expect_call_invalid(c, {"kv_dtype i32", "expected f32, f16 or bf16"});
+  }
+  for (Op op : {Op::sparse_index_extend, Op::sparse_attend_decode}) {
+    Call c(op);
+    c.p.num_index_heads = 0;
+    expect_call_invalid(c, {"num_index_heads 0", "expected > 0"});
+    c.p.num_index_heads = -2;
+    expect_call_invalid(c, {"num_index_heads -2", "expected > 0"});
+  }
+  {
+    Call c(Op::sparse_index_extend);
+    c.p.init_blocks = -1;
+    expect_call_invalid(c, {"init_blocks -1", "expected >= 0"});
+  }
+  {
+    Call c(Op::sparse_index_decode);
+    c.p.local_blocks = -3;
+    expect_call_invalid(c, {"local_blocks -3", "expected >= 0"});
+  }
+  {
+    Call c(Op::sparse_index_extend);
+    c.p.score_type = static_cast<ScoreType>(7);
+    expect_call_invalid(c, {"score_type 7", "expected max or lse"});
+  }
+  {
+    Call c(Op::sparse_index_decode);
+    c.p.index_scale = -0.5f;
+    expect_call_invalid(c, {"index_scale -0.5", "expected finite >= 0"});
+    c.p.index_scale = std::numeric_limits<float>::infinity();
+    expect_call_invalid(c, {"index_scale inf", "expected finite >= 0"});
+    c.p.index_scale = std::numeric_limits<float>::quiet_NaN();
+    expect_call_invalid(c, {"index_scale nan", "expected finite >= 0"});
+  }
 }
 
 TEST_F(Validate, LayoutRules) {
@@ -209,12 +251,13 @@ TEST_F(Validate, LayoutRules) {
   {
     Call c(Op::dense_extend);
     c.layout = BatchLayout::make(4, {3, 1}, {9, 5}, {{5, 1, 3}, {0, 6}});
-    expect_call_invalid(c, {"page id 6 >= k_cache pages 6"});
+    expect_call_invalid(c, {"request 1: page id 6 at page_ids[4] >= k_cache pages 6",
+                            "expected page ids < the pool's shape[0]"});
   }
   {
     Call c(Op::sparse_index_extend);
     c.layout = BatchLayout::make(4, {3, 1}, {9, 5}, {{5, 1, 9}, {0, 2}});
-    expect_call_invalid(c, {"page id 9 >= index_k_cache pages 6"});
+    expect_call_invalid(c, {"request 0: page id 9 at page_ids[2] >= index_k_cache pages 6"});
   }
   {
     Call c(Op::dense_extend);
@@ -230,6 +273,50 @@ TEST_F(Validate, LayoutRules) {
     Call c(Op::dense_extend);
     c.layout.kv_len.pop_back();
     expect_call_invalid(c, {"kv_len size 1", "expected 2"});
+  }
+  {
+    Call c(Op::dense_extend);
+    c.layout.q_indptr.push_back(5);
+    expect_call_invalid(c, {"q_indptr size 4", "expected 3"});
+  }
+  {
+    Call c(Op::dense_extend);
+    c.layout.page_indptr.pop_back();
+    expect_call_invalid(c, {"page_indptr size 2", "expected 3"});
+  }
+  {
+    Call c(Op::dense_extend);
+    for (auto& x : c.layout.q_indptr) x += 1;
+    expect_call_invalid(c, {"q_indptr[0] 1", "expected 0"});
+  }
+  {
+    Call c(Op::dense_extend);
+    c.layout.page_indptr[0] = 1;
+    expect_call_invalid(c, {"page_indptr[0] 1", "expected 0"});
+  }
+  {
+    // The end of the page table does not match page_ids (one id too many).
+    Call c(Op::dense_extend);
+    c.layout.page_ids.push_back(4);
+    expect_call_invalid(c, {"page_indptr[2] 5", "expected 6, the size of page_ids"});
+  }
+  {
+    // An offset far past page_ids: reported before any page id is read (no out-of-bounds read).
+    Call c(Op::dense_decode);
+    c.layout.page_indptr = {0, 200000000, 5};
+    expect_call_invalid(c, {"request 1: page_indptr decreases", "page_indptr[1] 200000000",
+                            "page_indptr[2] 5", "expected non-decreasing"});
+  }
+  {
+    Call c(Op::sparse_index_extend);
+    c.layout.page_indptr = {0, 3, 200000000};
+    expect_call_invalid(c, {"page_indptr[2] 200000000", "expected 5, the size of page_ids"});
+  }
+  {
+    Call c(Op::dense_extend);
+    c.layout.page_indptr = {0, 4, 3};
+    c.layout.page_ids = {5, 1, 3};
+    expect_call_invalid(c, {"request 1: page_indptr decreases", "page_indptr[1] 4"});
   }
 }
 
@@ -277,7 +364,7 @@ TEST_F(Validate, TensorRules) {
     Call c(Op::dense_extend);
     Tensors t = c.tensors();
     t.sink = TensorView{};
-    expect_invalid([&] { rt.execute(c.p, c.layout, t); }, {"tensor sink is missing"});
+    expect_invalid([&] { rt.execute(c.p, c.layout, t); }, {"tensor sink is missing", "expected shape [4]"});
   }
   {
     Call c(Op::dense_extend);
@@ -289,6 +376,37 @@ TEST_F(Validate, TensorRules) {
     Call c(Op::sparse_index_decode);
     c.topk = HostTensor(DType::f32, {2, 2, 2});
     expect_call_invalid(c, {"tensor topk dtype f32", "expected i32"});
+  }
+  {
+    Call c(Op::dense_extend);
+    c.q = HostTensor(DType::f32, {4, 32});
+    expect_call_invalid(c, {"tensor q rank 2", "shape [4, 32]", "expected rank 3"});
+  }
+  {
+    Call c(Op::sparse_index_extend);
+    c.ik = HostTensor(DType::f32, {6, 4, 8});
+    expect_call_invalid(c, {"tensor index_k_cache rank 3", "expected rank 4"});
+  }
+  {
+    // The page count of a pool may be anything but negative.
+    Call c(Op::dense_extend);
+    Tensors t = c.tensors();
+    t.k_cache.shape[0] = -6;
+    expect_invalid([&] { rt.execute(c.p, c.layout, t); },
+                   {"tensor k_cache shape [-6, 4, 2, 8] has a negative extent"});
+  }
+  {
+    Call c(Op::dense_decode);
+    Tensors t = c.tensors();
+    t.lse = TensorView{};
+    expect_invalid([&] { rt.execute(c.p, c.layout, t); }, {"tensor lse is missing", "[2, 4]"});
+  }
+  {
+    Call c(Op::sparse_attend_extend);
+    Tensors t = c.tensors();
+    c.p.has_sink = false;
+    expect_invalid([&] { rt.execute(c.p, c.layout, t); },
+                   {"tensor sink is given but has_sink is false", "expected sink iff has_sink"});
   }
 }
 

@@ -118,7 +118,7 @@ void validate_problem(const Problem& p) {
   }
 }
 
-int32_t validate_layout(const Problem& p, const BatchLayout& l) {
+MaxPage validate_layout(const Problem& p, const BatchLayout& l) {
   if (l.page_size != p.page_size) {
     fail("layout.page_size ", l.page_size, " != problem.page_size ", p.page_size,
          " (expected equal)");
@@ -135,12 +135,20 @@ int32_t validate_layout(const Problem& p, const BatchLayout& l) {
     fail("page_indptr size ", l.page_indptr.size(), " (expected ", n + 1, ")");
   }
   if (l.q_indptr[0] != 0) fail("q_indptr[0] ", l.q_indptr[0], " (expected 0)");
+  // The whole CSR structure of the page table is checked before any page id is read: with
+  // page_indptr non-decreasing from 0 to page_ids.size(), every request's slice is in bounds.
   if (l.page_indptr[0] != 0) fail("page_indptr[0] ", l.page_indptr[0], " (expected 0)");
+  for (int b = 0; b < n; ++b) {
+    if (l.page_indptr[b + 1] < l.page_indptr[b]) {
+      fail("request ", b, ": page_indptr decreases (page_indptr[", b, "] ", l.page_indptr[b],
+           " -> page_indptr[", b + 1, "] ", l.page_indptr[b + 1], "; expected non-decreasing)");
+    }
+  }
   if (l.page_indptr[n] != static_cast<int64_t>(l.page_ids.size())) {
     fail("page_indptr[", n, "] ", l.page_indptr[n], " (expected ", l.page_ids.size(),
          ", the size of page_ids)");
   }
-  int32_t max_page = -1;
+  MaxPage max_page;
   for (int b = 0; b < n; ++b) {
     const int32_t q = l.q_len[b], kv = l.kv_len[b];
     if (q < 1) fail("request ", b, ": q_len ", q, " (expected >= 1)");
@@ -156,10 +164,6 @@ int32_t validate_layout(const Problem& p, const BatchLayout& l) {
     }
     const int64_t have = static_cast<int64_t>(l.page_indptr[b + 1]) - l.page_indptr[b];
     const int64_t need = (static_cast<int64_t>(kv) + p.page_size - 1) / p.page_size;
-    if (have < 0) {
-      fail("request ", b, ": page_indptr decreases (", l.page_indptr[b], " -> ",
-           l.page_indptr[b + 1], ")");
-    }
     if (have < need) {
       fail("request ", b, ": page list length ", have, " < ", need,
            " (expected >= ceil(kv_len ", kv, " / page_size ", p.page_size, "))");
@@ -168,19 +172,21 @@ int32_t validate_layout(const Problem& p, const BatchLayout& l) {
       if (l.page_ids[i] < 0) {
         fail("request ", b, ": page id ", l.page_ids[i], " at page_ids[", i, "] (expected >= 0)");
       }
-      if (i - l.page_indptr[b] < need) max_page = std::max(max_page, l.page_ids[i]);
+      // Pages past ceil(kv_len / page_size) are never read, so only the needed ones count.
+      if (i - l.page_indptr[b] < need && l.page_ids[i] > max_page.id) max_page = {l.page_ids[i], b, i};
     }
   }
   return max_page;
 }
 
-void validate_tensors(const Problem& p, const BatchLayout& l, int32_t max_page_id,
+void validate_tensors(const Problem& p, const BatchLayout& l, const MaxPage& max_page,
                       const Tensors& t) {
   const Device& dev = p.device;
   const int64_t T = l.total_q();
   auto check_pool = [&](const char* name, const TensorView& pool) {
-    if (pool.defined() && pool.rank >= 1 && max_page_id >= pool.shape[0]) {
-      fail("page id ", max_page_id, " >= ", name, " pages ", pool.shape[0],
+    if (pool.defined() && pool.rank >= 1 && max_page.id >= pool.shape[0]) {
+      fail("request ", max_page.request, ": page id ", max_page.id, " at page_ids[",
+           max_page.index, "] >= ", name, " pages ", pool.shape[0],
            " (expected page ids < the pool's shape[0])");
     }
   };

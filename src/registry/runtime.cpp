@@ -52,7 +52,7 @@ OpDevKey op_dev_key(Op op, const Device& d) {
 struct Plan::State {
   Problem problem;
   BatchLayout layout;
-  int32_t max_page_id = -1;
+  MaxPage max_page;  // validated layout's largest page id, checked against each run's pools
   mutable std::shared_mutex mu;  // guards backend and bplan (changed only on fallback)
   Backend* backend = nullptr;
   std::unique_ptr<BackendPlan> bplan;
@@ -308,7 +308,7 @@ std::vector<std::string> Runtime::backend_names() const {
 
 std::shared_ptr<const Plan> Runtime::plan(const Problem& problem, const BatchLayout& layout) {
   validate_problem(problem);
-  int32_t max_page = validate_layout(problem, layout);
+  MaxPage max_page = validate_layout(problem, layout);
   const bool reuse = !impl_->registry.options().force_replan;
   uint64_t key = Impl::cache_key(problem, layout);
   if (reuse) {
@@ -321,7 +321,7 @@ std::shared_ptr<const Plan> Runtime::plan(const Problem& problem, const BatchLay
   auto state = std::make_unique<Plan::State>();
   state->problem = problem;
   state->layout = layout;
-  state->max_page_id = max_page;
+  state->max_page = max_page;
   {
     std::unique_lock lock(state->mu);
     impl_->select(*state, {});
@@ -337,7 +337,7 @@ std::shared_ptr<const Plan> Runtime::plan(const Problem& problem, const BatchLay
 
 void Runtime::run(const Plan& plan, const Tensors& tensors) {
   Plan::State& s = *plan.state_;
-  validate_tensors(s.problem, s.layout, s.max_page_id, tensors);
+  validate_tensors(s.problem, s.layout, s.max_page, tensors);
   Workspace& ws = impl_->workspace(s.problem.device);
   std::vector<Impl::Failure> failures;
   for (;;) {
@@ -374,12 +374,12 @@ std::shared_ptr<const Plan> Runtime::update(const std::shared_ptr<const Plan>& o
   const Problem& p = old->problem();
   if (layout.num_requests() != old->layout().num_requests())
     return plan(p, layout);
-  int32_t max_page = validate_layout(p, layout);
+  MaxPage max_page = validate_layout(p, layout);
   Plan::State& s = *old->state_;
   std::unique_lock lock(s.mu);
   if (s.backend && s.backend->update_plan(*s.bplan, p, layout)) {
     s.layout = layout;
-    s.max_page_id = max_page;
+    s.max_page = max_page;
     return old;
   }
   lock.unlock();
