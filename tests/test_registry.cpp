@@ -208,6 +208,65 @@ TEST(Registry, StrictModeRefusesFallback) {
   }
 }
 
+// A sparse index problem on the DenseCase layout: no fault plugin claims it (probe says
+// Unavailable), so the cpu backend serves it without that being a fallback.
+Problem unclaimed_problem(const DenseCase& c) {
+  Problem p = c.problem;
+  p.op = Op::sparse_index_extend;
+  p.num_index_heads = 2;
+  p.index_dim = 16;
+  p.block_size = 4;
+  p.topk = 2;
+  p.write_lse = false;
+  return p;
+}
+
+// Strict mode refuses every call that a fallback would serve, not only the first one: later
+// plans of the same op and runs of a plan whose backend failed throw too.
+TEST(Registry, StrictModeRefusesEveryFallback) {
+  LogCapture logs;
+  RuntimeOptions o = options_for("plan_fails");
+  o.strict = true;
+  Runtime rt(o);
+  DenseCase a(test::fresh_seed()), b(test::fresh_seed() + 1, Op::dense_extend, 30);
+  for (DenseCase* c : {&a, &b, &a}) {
+    try {
+      c->run(rt);
+      ADD_FAILURE() << "strict mode allowed a fallback";
+    } catch (const BackendUnavailable& e) {
+      EXPECT_EQ(e.backend(), "fault_plan_fails");
+      EXPECT_THAT(e.reason(), HasSubstr("injected plan failure"));
+      EXPECT_THAT(e.reason(), HasSubstr("ATTNRT_STRICT=1: fallback to 'cpu' refused"));
+    }
+  }
+  // A candidate whose probe declines the problem is skipped without a fallback.
+  EXPECT_EQ(rt.plan(unclaimed_problem(a), a.layout)->backend(), "cpu");
+  EXPECT_TRUE(rt.report().warnings.empty()) << ::testing::PrintToString(rt.report().warnings);
+}
+
+TEST(Registry, StrictModeRefusesEveryFallbackAfterARunFailure) {
+  RuntimeOptions o = options_for("run_fails");
+  o.strict = true;
+  o.canary = false;  // the plugin passes plan; its failure shows in run
+  Runtime rt(o);
+  DenseCase c(test::fresh_seed());
+  auto plan = rt.plan(c.problem, c.layout);
+  ASSERT_EQ(plan->backend(), "fault_run_fails");
+  for (int i = 0; i < 2; ++i) {
+    test::poison(c.out);
+    try {
+      rt.run(*plan, c.tensors());
+      ADD_FAILURE() << "call " << i << ": strict mode allowed a fallback to " << plan->backend();
+    } catch (const BackendUnavailable& e) {
+      EXPECT_THAT(e.reason(), HasSubstr("injected run failure")) << "call " << i;
+      EXPECT_THAT(e.reason(), HasSubstr("ATTNRT_STRICT=1")) << "call " << i;
+    }
+    EXPECT_TRUE(test::has_nan(c.out)) << "call " << i << " wrote output";
+  }
+  DenseCase other(test::fresh_seed(), Op::dense_decode);
+  EXPECT_THROW(other.run(rt), BackendUnavailable);
+}
+
 TEST(Registry, UnknownNamesListTheKnownOnes) {
   RuntimeOptions o = options_for("healthy");
   o.disable = std::vector<std::string>{"nosuch"};
@@ -293,6 +352,30 @@ TEST(Runtime, PlanRunsWithTheSameResultEveryLayer) {
   rt.run(*plan, c.tensors());
   EXPECT_EQ(std::memcmp(first.bytes.data(), c.out.bytes.data(), c.out.bytes.size()), 0);
   EXPECT_LT(c.err(), 1e-5);
+}
+
+// A run that fails when no other candidate is left leaves the plan without a backend: every
+// later run of it throws BackendUnavailable with the reason (never dereferences a null backend).
+TEST(Runtime, PlanWithoutBackendThrowsOnEveryRun) {
+  RuntimeOptions o = options_for("run_fails");
+  o.canary = false;  // the plugin passes plan; its failure shows in run
+  o.disable = std::vector<std::string>{"cpu", "reference"};
+  Runtime rt(o);
+  DenseCase c(test::fresh_seed());
+  auto plan = rt.plan(c.problem, c.layout);
+  ASSERT_EQ(plan->backend(), "fault_run_fails");
+  for (int i = 0; i < 3; ++i) {
+    try {
+      rt.run(*plan, c.tensors());
+      ADD_FAILURE() << "call " << i << " did not throw";
+    } catch (const BackendUnavailable& e) {
+      EXPECT_THAT(std::string(e.what()), HasSubstr("injected run failure")) << "call " << i;
+    }
+    EXPECT_EQ(plan->backend(), "") << "call " << i;
+  }
+  // The cached plan (same problem and layout) and update() fail the same way.
+  EXPECT_THROW(c.run(rt), BackendUnavailable);
+  EXPECT_THROW(rt.run(*rt.update(plan, c.layout), c.tensors()), BackendUnavailable);
 }
 
 TEST(Runtime, EightThreadsMatchSerial) {

@@ -1,5 +1,6 @@
 #include "attnrt/runtime.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <list>
@@ -171,10 +172,12 @@ struct Runtime::Impl {
   };
 
   // Chooses a backend for the plan and plans on it. Caller holds the plan's exclusive lock.
-  // `failures` are carried in from a failed run.
+  // `failures` are carried in from a failed run. Throws BackendUnavailable, leaving s.backend
+  // null, when no candidate can serve, or in strict mode when the one that could is a fallback.
   void select(Plan::State& s, std::vector<Failure> failures) {
     const Problem& p = s.problem;
     const bool forced = !registry.options().forced.empty();
+    const bool strict = registry.options().strict;
     std::vector<BackendState> skipped;
     if (forced && !registry.find(registry.options().forced)) {
       throw BackendUnavailable(registry.options().forced, op_name(p.op), p.device.str(),
@@ -188,11 +191,25 @@ struct Runtime::Impl {
       throw BackendUnavailable("(none)", op_name(p.op), p.device.str(),
                                "no backend serves device " + p.device.str() + no_device_hint(p.device));
     }
+    // Candidates that failed earlier in this Runtime (plan, run or canary) and are marked:
+    // serving the call after skipping one is a fallback, which strict mode refuses on every
+    // call, not only the first. A probe that says Unavailable is not a failure.
+    std::vector<Failure> earlier;
+    auto failed_already = [&](const Backend* b) {
+      return std::any_of(failures.begin(), failures.end(), [&](const Failure& f) { return f.backend == b; });
+    };
     for (Backend* b : cands) {
       std::string why = marked(b, p);
+      if (!why.empty() && !failed_already(b)) earlier.push_back({b, why});
       if (why.empty()) {
         Availability a = b->probe(p);
         if (!a) why = a.reason;
+      }
+      if (why.empty() && strict && (!failures.empty() || !earlier.empty())) {
+        const Failure& f = !failures.empty() ? failures.front() : earlier.front();
+        throw BackendUnavailable(f.backend->name(), op_name(p.op), p.device.str(),
+                                 f.reason + " (ATTNRT_STRICT=1: fallback to '" + b->name() +
+                                     "' refused)");
       }
       if (why.empty()) {
         std::string c = canary(b, p);
@@ -221,12 +238,6 @@ struct Runtime::Impl {
       for (const auto& k : skipped) all += "; " + k.backend + ": " + k.reason;
       throw BackendUnavailable("(none)", op_name(p.op), p.device.str(),
                                "no backend can serve " + p.describe() + all);
-    }
-    if (registry.options().strict && !failures.empty()) {
-      const Failure& f = failures.front();
-      throw BackendUnavailable(f.backend->name(), op_name(p.op), p.device.str(),
-                               f.reason + " (ATTNRT_STRICT=1: fallback to '" + s.backend->name() +
-                                   "' refused)");
     }
     for (const Failure& f : failures) {
       warn_once(f.backend->name() + "|" + op_name(p.op) + "|" + p.device.str(),
@@ -342,22 +353,27 @@ void Runtime::run(const Plan& plan, const Tensors& tensors) {
   std::vector<Impl::Failure> failures;
   for (;;) {
     Backend* used = nullptr;
-    try {
+    {
       std::shared_lock lock(s.mu);
       used = s.backend;
-      used->run(*s.bplan, s.problem, s.layout, tensors, ws);
-      break;
-    } catch (const BackendUnavailable& e) {
-      if (!impl_->registry.options().forced.empty()) throw;
-      impl_->mark(used, s.problem, e.reason());
-      failures.push_back({used, e.reason()});
+      if (used) {
+        try {
+          used->run(*s.bplan, s.problem, s.layout, tensors, ws);
+          break;
+        } catch (const BackendUnavailable& e) {
+          if (!impl_->registry.options().forced.empty()) throw;
+          impl_->mark(used, s.problem, e.reason());
+          failures.push_back({used, e.reason()});
+        }
+      }
     }
+    // The backend failed, or an earlier failed selection left the plan without one: select
+    // again. select throws BackendUnavailable with the recorded reasons when nothing is left.
     std::unique_lock lock(s.mu);
-    // Another thread may have switched the plan already.
-    if (s.backend == used) {
+    if (s.backend == used) {  // else another thread switched the plan already
       s.backend = nullptr;
       s.bplan.reset();
-      impl_->select(s, failures);
+      impl_->select(s, std::move(failures));
     }
     failures.clear();
   }
