@@ -58,9 +58,9 @@ struct DenseCase {
   BatchLayout layout;
   HostTensor q, k, v, out, lse, ref_out, ref_lse;
 
-  explicit DenseCase(uint64_t seed, Op op = Op::dense_extend, int kv0 = 29) {
+  explicit DenseCase(uint64_t seed, Op op = Op::dense_extend, int kv0 = 29, DType dt = DType::f32) {
     problem.op = op;
-    problem.q_dtype = problem.kv_dtype = DType::f32;
+    problem.q_dtype = problem.kv_dtype = dt;
     problem.page_size = 4;
     problem.num_q_heads = 4;
     problem.num_kv_heads = 2;
@@ -76,10 +76,10 @@ struct DenseCase {
     layout = BatchLayout::make(4, ql, kv, pages);
     int64_t T = layout.total_q();
     std::mt19937_64 rng(seed);
-    q = HostTensor(DType::f32, {T, 4, 16});
-    k = HostTensor(DType::f32, {21, 4, 2, 16});
-    v = HostTensor(DType::f32, {21, 4, 2, 16});
-    out = HostTensor(DType::f32, {T, 4, 16});
+    q = HostTensor(dt, {T, 4, 16});
+    k = HostTensor(dt, {21, 4, 2, 16});
+    v = HostTensor(dt, {21, 4, 2, 16});
+    out = HostTensor(dt, {T, 4, 16});
     lse = HostTensor(DType::f32, {T, 4});
     ref_out = out;
     ref_lse = lse;
@@ -108,7 +108,26 @@ struct DenseCase {
     rt.execute(problem, layout, tensors());
   }
   double err() const { return std::max(test::rel_l2(out, ref_out), test::rel_l2(lse, ref_lse)); }
+  // Labels the problem and the tensors with another device; the data stays in host memory,
+  // which is what the fake-GPU test plugins use as device memory.
+  void on_device(const Device& d) {
+    problem.device = d;
+    for (HostTensor* t : {&q, &k, &v, &out, &lse}) t->view.device = d;
+  }
 };
+
+// A sparse index problem on a DenseCase layout: no fault plugin claims it (its probe says
+// Unavailable), so the cpu backend serves it without that being a fallback.
+Problem unclaimed_problem(const DenseCase& c) {
+  Problem p = c.problem;
+  p.op = Op::sparse_index_extend;
+  p.num_index_heads = 2;
+  p.index_dim = 16;
+  p.block_size = 4;
+  p.topk = 2;
+  p.write_lse = false;
+  return p;
+}
 
 int count_containing(const std::vector<std::string>& lines, const std::string& s) {
   int n = 0;
@@ -187,10 +206,63 @@ TEST(Registry, HealthyPluginOutranksCpu) {
   EXPECT_EQ(rt.plan(c.problem, c.layout)->backend(), "fault_healthy");
   EXPECT_TRUE(logs.warnings().empty()) << ::testing::PrintToString(logs.warnings());
   // An op it does not claim goes to the next candidate without a warning.
-  DenseCase b(test::fresh_seed());
-  b.problem.q_dtype = b.problem.kv_dtype = DType::bf16;
-  EXPECT_EQ(rt.diagnose(b.problem).front().backend, "fault_healthy");
-  EXPECT_FALSE(rt.diagnose(b.problem).front().available);
+  const Problem unclaimed = unclaimed_problem(c);
+  EXPECT_EQ(rt.diagnose(unclaimed).front().backend, "fault_healthy");
+  EXPECT_FALSE(rt.diagnose(unclaimed).front().available);
+  EXPECT_EQ(rt.plan(unclaimed, c.layout)->backend(), "cpu");
+  EXPECT_TRUE(logs.warnings().empty()) << ::testing::PrintToString(logs.warnings());
+}
+
+// The test plugins read and write f16 and bf16 themselves (they may include only the plugin
+// ABI): their outputs must round like the reference's, so nearly every element is bit-identical
+// (a difference needs the two double results to straddle a rounding boundary).
+TEST(Registry, HealthyPluginServesSixteenBitTypes) {
+  RuntimeOptions o = options_for("healthy");
+  o.force_backend = "fault_healthy";
+  Runtime rt(o);
+  for (DType dt : {DType::bf16, DType::f16})
+    for (Op op : {Op::dense_extend, Op::dense_decode}) {
+      const uint64_t seed = test::fresh_seed();
+      SCOPED_TRACE(std::string(dtype_name(dt)) + " " + op_name(op) + " seed " + std::to_string(seed));
+      DenseCase c(seed, op, 29, dt);
+      c.run(rt);
+      EXPECT_TRUE(test::allclose(c.out, c.ref_out, 5e-3, 5e-3)) << test::max_abs_diff(c.out, c.ref_out);
+      EXPECT_LE(test::max_abs_diff(c.lse, c.ref_lse), 1e-4);
+      int64_t differ = 0;
+      for (int64_t i = 0; i < c.out.numel(); ++i)
+        differ += std::memcmp(c.out.bytes.data() + 2 * i, c.ref_out.bytes.data() + 2 * i, 2) != 0;
+      EXPECT_LE(differ * 100, c.out.numel()) << differ << " of " << c.out.numel() << " elements differ";
+    }
+}
+
+// Setting up a canary allocates and copies through the plugin; a plugin whose allocation fails
+// is unavailable with the reason and the call falls back (here to a second plugin serving the
+// same pretend device), instead of plan() failing.
+TEST(Registry, CanarySetupFailureMakesThePluginUnavailable) {
+  LogCapture logs;
+  Runtime rt(options_for("alloc_fails"));
+  DenseCase c(test::fresh_seed());
+  c.on_device(Device::cuda(0));
+  c.run(rt);
+  EXPECT_LT(c.err(), 1e-5);
+  EXPECT_EQ(rt.plan(c.problem, c.layout)->backend(), "fault_fake_gpu");
+  auto w = logs.warnings();
+  ASSERT_EQ(w.size(), 1u) << ::testing::PrintToString(w);
+  EXPECT_THAT(w[0], HasSubstr("'fault_alloc_fails' unavailable for dense_extend on cuda:0: canary failed"));
+  EXPECT_THAT(w[0], HasSubstr("injected allocation failure"));
+  EXPECT_THAT(w[0], HasSubstr("using 'fault_fake_gpu' instead"));
+
+  RuntimeOptions o = options_for("alloc_fails");
+  o.force_backend = "fault_alloc_fails";
+  Runtime forced(o);
+  try {
+    c.run(forced);
+    ADD_FAILURE() << "forced plugin whose canary cannot be set up did not fail";
+  } catch (const BackendUnavailable& e) {
+    EXPECT_EQ(e.backend(), "fault_alloc_fails");
+    EXPECT_THAT(e.reason(), HasSubstr("canary failed"));
+    EXPECT_THAT(e.reason(), HasSubstr("injected allocation failure"));
+  }
 }
 
 TEST(Registry, StrictModeRefusesFallback) {
@@ -206,19 +278,6 @@ TEST(Registry, StrictModeRefusesFallback) {
     EXPECT_THAT(std::string(e.what()), HasSubstr("ATTNRT_STRICT"));
     EXPECT_THAT(std::string(e.what()), HasSubstr("injected plan failure"));
   }
-}
-
-// A sparse index problem on the DenseCase layout: no fault plugin claims it (probe says
-// Unavailable), so the cpu backend serves it without that being a fallback.
-Problem unclaimed_problem(const DenseCase& c) {
-  Problem p = c.problem;
-  p.op = Op::sparse_index_extend;
-  p.num_index_heads = 2;
-  p.index_dim = 16;
-  p.block_size = 4;
-  p.topk = 2;
-  p.write_lse = false;
-  return p;
 }
 
 // Strict mode refuses every call that a fallback would serve, not only the first one: later

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <random>
 #include <sstream>
 
@@ -132,64 +133,70 @@ std::string run_canary(Backend& backend, const Problem& problem, Workspace& work
   const int num_pages = next;
 
   std::mt19937_64 rng(0x5eed ^ p.signature());
-  CanaryData data(backend, p.device);
+  std::unique_ptr<CanaryData> data;
   Tensors host, dev;
   std::vector<std::pair<Buf*, Buf*>> outputs;  // (backend's, reference's)
   auto input = [&](TensorView& h, TensorView& d, DType t, std::initializer_list<int64_t> shape) {
-    Buf& b = data.make(t, shape);
+    Buf& b = data->make(t, shape);
     fill(b, rng);
     h = b.view;
-    d = data.upload(b);
+    d = data->upload(b);
   };
   auto output = [&](TensorView& h, TensorView& d, DType t, std::initializer_list<int64_t> shape) {
-    Buf& b = data.make(t, shape);
-    Buf& ref = data.make(t, shape);
+    Buf& b = data->make(t, shape);
+    Buf& ref = data->make(t, shape);
     poison(b);
-    d = data.upload(b);
+    d = data->upload(b);
     h = ref.view;
     outputs.push_back({&b, &ref});
   };
-
-  if (is_index(p.op)) {
-    input(host.index_q, dev.index_q, p.q_dtype, {T, p.num_index_heads, p.index_dim});
-    input(host.index_k_cache, dev.index_k_cache, p.kv_dtype, {num_pages, ps, 1, p.index_dim});
-    output(host.topk, dev.topk, DType::i32, {p.num_index_heads, T, p.topk});
-  } else {
-    input(host.q, dev.q, p.q_dtype, {T, p.num_q_heads, p.head_dim});
-    input(host.k_cache, dev.k_cache, p.kv_dtype, {num_pages, ps, p.num_kv_heads, p.head_dim});
-    input(host.v_cache, dev.v_cache, p.kv_dtype, {num_pages, ps, p.num_kv_heads, p.head_dim});
-    if (p.has_sink) input(host.sink, dev.sink, DType::f32, {p.num_q_heads});
-    if (is_sparse_attend(p.op)) {
-      // A legal selection: per row, the query's own block plus random others, ascending.
-      Buf& sel = data.make(DType::i32, {p.num_index_heads, T, p.topk});
-      auto* s = reinterpret_cast<int32_t*>(sel.host.data());
-      for (int h = 0; h < p.num_index_heads; ++h)
-        for (int b = 0; b < 2; ++b)
-          for (int64_t t = layout.q_indptr[b]; t < layout.q_indptr[b + 1]; ++t) {
-            int64_t pos = kv[b] - ql[b] + (t - layout.q_indptr[b]);
-            int nvis = static_cast<int>(pos / p.block_size) + 1;
-            std::vector<int32_t> ids(nvis);
-            for (int i = 0; i < nvis; ++i) ids[i] = i;
-            std::shuffle(ids.begin(), ids.end() - 1, rng);
-            std::vector<int32_t> pick(ids.end() - 1, ids.end());  // own block
-            for (int i = 0; i < nvis - 1 && static_cast<int>(pick.size()) < p.topk; ++i)
-              pick.push_back(ids[i]);
-            std::sort(pick.begin(), pick.end());
-            int32_t* row = s + (static_cast<int64_t>(h) * T + t) * p.topk;
-            for (int i = 0; i < p.topk; ++i)
-              row[i] = i < static_cast<int>(pick.size()) ? pick[i] : -1;
-          }
-      host.topk = sel.view;
-      dev.topk = data.upload(sel);
+  // Device memory and copies go through the plugin too, so setting up the canary can fail like
+  // the plugin's plan and run can: any failure up to the downloaded outputs makes the plugin
+  // unavailable with the reason, never an error of the caller's plan().
+  auto setup = [&] {
+    data = std::make_unique<CanaryData>(backend, p.device);
+    if (is_index(p.op)) {
+      input(host.index_q, dev.index_q, p.q_dtype, {T, p.num_index_heads, p.index_dim});
+      input(host.index_k_cache, dev.index_k_cache, p.kv_dtype, {num_pages, ps, 1, p.index_dim});
+      output(host.topk, dev.topk, DType::i32, {p.num_index_heads, T, p.topk});
+    } else {
+      input(host.q, dev.q, p.q_dtype, {T, p.num_q_heads, p.head_dim});
+      input(host.k_cache, dev.k_cache, p.kv_dtype, {num_pages, ps, p.num_kv_heads, p.head_dim});
+      input(host.v_cache, dev.v_cache, p.kv_dtype, {num_pages, ps, p.num_kv_heads, p.head_dim});
+      if (p.has_sink) input(host.sink, dev.sink, DType::f32, {p.num_q_heads});
+      if (is_sparse_attend(p.op)) {
+        // A legal selection: per row, the query's own block plus random others, ascending.
+        Buf& sel = data->make(DType::i32, {p.num_index_heads, T, p.topk});
+        auto* s = reinterpret_cast<int32_t*>(sel.host.data());
+        for (int h = 0; h < p.num_index_heads; ++h)
+          for (int b = 0; b < 2; ++b)
+            for (int64_t t = layout.q_indptr[b]; t < layout.q_indptr[b + 1]; ++t) {
+              int64_t pos = kv[b] - ql[b] + (t - layout.q_indptr[b]);
+              int nvis = static_cast<int>(pos / p.block_size) + 1;
+              std::vector<int32_t> ids(nvis);
+              for (int i = 0; i < nvis; ++i) ids[i] = i;
+              std::shuffle(ids.begin(), ids.end() - 1, rng);
+              std::vector<int32_t> pick(ids.end() - 1, ids.end());  // own block
+              for (int i = 0; i < nvis - 1 && static_cast<int>(pick.size()) < p.topk; ++i)
+                pick.push_back(ids[i]);
+              std::sort(pick.begin(), pick.end());
+              int32_t* row = s + (static_cast<int64_t>(h) * T + t) * p.topk;
+              for (int i = 0; i < p.topk; ++i)
+                row[i] = i < static_cast<int>(pick.size()) ? pick[i] : -1;
+            }
+        host.topk = sel.view;
+        dev.topk = data->upload(sel);
+      }
+      output(host.out, dev.out, p.q_dtype, {T, p.num_q_heads, p.head_dim});
+      if (p.write_lse) output(host.lse, dev.lse, DType::f32, {T, p.num_q_heads});
     }
-    output(host.out, dev.out, p.q_dtype, {T, p.num_q_heads, p.head_dim});
-    if (p.write_lse) output(host.lse, dev.lse, DType::f32, {T, p.num_q_heads});
-  }
+  };
 
   try {
+    setup();
     auto plan = backend.plan(p, layout, workspace);
     backend.run(*plan, p, layout, dev, workspace);
-    for (auto& o : outputs) data.download(*o.first);
+    for (auto& o : outputs) data->download(*o.first);
   } catch (const BackendUnavailable& e) {
     return "canary failed: " + e.reason();
   } catch (const std::exception& e) {
