@@ -21,24 +21,33 @@ std::string plugin_dir(const std::string& fault) {
   return std::string(ATTNRT_TEST_PLUGIN_ROOT) + "/" + fault;
 }
 
-// Captures every log line for the duration of a test.
+// Captures every log line for the duration of a test (info and up; the level is restored).
 class LogCapture {
  public:
-  LogCapture() {
+  LogCapture() : level_(log_level()) {
+    set_log_level(LogLevel::info);
     set_log_sink([this](LogLevel l, std::string_view m) {
       std::lock_guard lock(mu_);
-      if (l >= LogLevel::warn) warnings_.emplace_back(m);
+      (l >= LogLevel::warn ? warnings_ : infos_).emplace_back(m);
     });
   }
-  ~LogCapture() { set_log_sink(nullptr); }
+  ~LogCapture() {
+    set_log_sink(nullptr);
+    set_log_level(level_);
+  }
   std::vector<std::string> warnings() {
     std::lock_guard lock(mu_);
     return warnings_;
   }
+  std::vector<std::string> infos() {
+    std::lock_guard lock(mu_);
+    return infos_;
+  }
 
  private:
+  LogLevel level_;
   std::mutex mu_;
-  std::vector<std::string> warnings_;
+  std::vector<std::string> warnings_, infos_;
 };
 
 RuntimeOptions options_for(const std::string& fault) {
@@ -324,6 +333,55 @@ TEST(Registry, StrictModeRefusesEveryFallbackAfterARunFailure) {
   }
   DenseCase other(test::fresh_seed(), Op::dense_decode);
   EXPECT_THROW(other.run(rt), BackendUnavailable);
+}
+
+// A plugin whose init reports its runtime absent (a GPU plugin on a machine without a GPU) is
+// not a defect: info, not a warning; report() and diagnose() still list it with the reason.
+TEST(Registry, PluginWithoutItsRuntimeIsInfoNotWarning) {
+  LogCapture logs;
+  Runtime rt(options_for("no_runtime"));
+  EXPECT_TRUE(logs.warnings().empty()) << ::testing::PrintToString(logs.warnings());
+  EXPECT_EQ(count_containing(logs.infos(), "no test runtime on this machine"), 1)
+      << ::testing::PrintToString(logs.infos());
+  Report r = rt.report();
+  ASSERT_EQ(r.plugins.size(), 1u);
+  EXPECT_FALSE(r.plugins[0].loaded);
+  EXPECT_TRUE(r.plugins[0].expected);
+  EXPECT_EQ(r.plugins[0].reason, "init failed: no test runtime on this machine (injected)");
+  EXPECT_TRUE(r.warnings.empty());
+  DenseCase c(test::fresh_seed());
+  EXPECT_EQ(count_containing({rt.diagnose(c.problem).back().reason}, "init failed: no test runtime"), 1);
+  c.run(rt);
+  EXPECT_LT(c.err(), 1e-5);
+  EXPECT_TRUE(logs.warnings().empty()) << ::testing::PrintToString(logs.warnings());
+}
+
+// ATTNRT_DISABLE keeps a plugin from being initialised: it is recorded as disabled (not with its
+// init failure) and costs no warning. Structural defects stay warnings even when disabled.
+TEST(Registry, DisabledPluginIsNotInitialised) {
+  LogCapture logs;
+  RuntimeOptions o = options_for("no_runtime");
+  o.disable = std::vector<std::string>{"fault_no_runtime"};
+  Runtime rt(o);
+  Report r = rt.report();
+  ASSERT_EQ(r.plugins.size(), 1u);
+  EXPECT_FALSE(r.plugins[0].loaded);
+  EXPECT_TRUE(r.plugins[0].expected);
+  EXPECT_EQ(r.plugins[0].reason, "disabled by ATTNRT_DISABLE (not initialised)");
+  EXPECT_TRUE(logs.warnings().empty()) << ::testing::PrintToString(logs.warnings());
+
+  o = options_for("healthy");
+  o.disable = std::vector<std::string>{"fault_healthy"};
+  Runtime healthy_disabled(o);
+  EXPECT_EQ(healthy_disabled.report().plugins[0].reason, "disabled by ATTNRT_DISABLE (not initialised)");
+  DenseCase c(test::fresh_seed());
+  EXPECT_EQ(healthy_disabled.plan(c.problem, c.layout)->backend(), "cpu");
+
+  o = options_for("null_plan");
+  o.disable = std::vector<std::string>{"fault_null_plan"};
+  Runtime defective(o);
+  EXPECT_FALSE(defective.report().plugins[0].expected);
+  EXPECT_EQ(count_containing(logs.warnings(), "required entry point is null: plan"), 1);
 }
 
 TEST(Registry, UnknownNamesListTheKnownOnes) {

@@ -397,8 +397,8 @@ void run_resolved(const RunOptions& o, const attnrt::ModelConfig& m) {
                 phase_tokens[0] / std::max(phase_s[0], 1e-12), L);
     std::printf("decode:  %.3f ms, %lld tokens, %.1f tokens/s\n", phase_s[1] * 1e3,
                 static_cast<long long>(phase_tokens[1]), phase_tokens[1] / std::max(phase_s[1], 1e-12));
+    // The warnings themselves went to stderr as they happened (and are in --json).
     std::printf("fallbacks: %lld\n", static_cast<long long>(fallbacks));
-    for (const auto& w : rep.warnings) std::printf("warning: %s\n", w.c_str());
     if (o.check && o.check_rows > 0)
       std::printf("check: %s (last %d query tokens of each request per layer)\n",
                   any_fail ? "FAILED" : "ok", o.check_rows);

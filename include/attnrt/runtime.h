@@ -103,6 +103,12 @@ struct PluginLoadRecord {
   std::string name;  // empty if it never got that far
   bool loaded = false;
   std::string reason;  // why not
+  // Not loaded for a reason that is normal on some machines, not a defect of the plugin: its
+  // init() reported its runtime, driver or hardware absent (ATTNRT_UNAVAILABLE), or
+  // ATTNRT_DISABLE names it (then init() is never called). Logged at info level; every other
+  // reason (not loadable, missing symbol, another ABI, a null required pointer, a duplicate
+  // name, init failing otherwise) is a warning.
+  bool expected = false;
 };
 
 struct Report {

@@ -3,7 +3,8 @@
 //
 // Every way a plugin can be broken (not loadable, a missing symbol, another ABI, a null
 // required pointer, an empty or duplicate name, init failing) ends as a PluginLoadRecord with
-// the reason and the loader's text; nothing of the plugin is used afterwards.
+// the reason and the loader's text; nothing of the plugin is used afterwards. A plugin whose init
+// reports its runtime absent, or that ATTNRT_DISABLE names, is recorded as `expected`.
 #pragma once
 
 #include <memory>
@@ -26,9 +27,10 @@ struct LoadedPlugins {
 std::vector<std::string> plugin_search_path(const std::string& plugin_path, bool library_dir);
 
 // Loads every libattnrt_*.so found on `search_path`. `taken` holds names already in use
-// (built-in backends); loaded plugins' names are added.
+// (built-in backends); loaded plugins' names are added. A plugin named in `disabled` is checked
+// like any other but never initialised, and recorded as disabled.
 LoadedPlugins load_plugins(const std::vector<std::string>& search_path,
-                           std::set<std::string>& taken);
+                           std::set<std::string>& taken, const std::set<std::string>& disabled);
 
 // "libattnrt_cuda.so" -> "cuda": the name a plugin file is known by before it is loaded.
 std::string plugin_name_from_path(const std::string& path);

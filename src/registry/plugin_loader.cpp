@@ -247,12 +247,14 @@ std::vector<std::string> plugin_files(const std::string& dir) {
 }
 
 // Loads one file; on success appends a backend. Always fills `rec`.
-void load_one(const std::string& path, std::set<std::string>& taken, LoadedPlugins& out) {
+void load_one(const std::string& path, std::set<std::string>& taken,
+              const std::set<std::string>& disabled, LoadedPlugins& out) {
   PluginLoadRecord rec;
   rec.path = path;
   rec.name = plugin_name_from_path(path);
-  auto reject = [&](std::string why) {
+  auto reject = [&](std::string why, bool expected = false) {
     rec.reason = std::move(why);
+    rec.expected = expected;
     log(LogLevel::info, "plugin " + path + " not used: " + rec.reason);
     out.records.push_back(rec);
   };
@@ -314,8 +316,13 @@ void load_one(const std::string& path, std::set<std::string>& taken, LoadedPlugi
     return reject("required entry point is null: " + m);
   }
   if (taken.count(t->name)) return reject(std::string("duplicate backend name '") + t->name + "'");
+  // Checked like any other, but a disabled plugin's init (a driver, a device) never runs.
+  if (disabled.count(t->name)) return reject("disabled by ATTNRT_DISABLE (not initialised)", true);
   lib->table = t;
-  if (t->init() != ATTNRT_OK) return reject("init failed: " + lib->error());
+  // UNAVAILABLE from init means its runtime, driver or hardware is absent: normal on machines
+  // without that hardware, unlike any other failure.
+  if (int32_t st = t->init(); st != ATTNRT_OK)
+    return reject("init failed: " + lib->error(), st == ATTNRT_UNAVAILABLE);
   auto backend = std::make_unique<PluginBackend>(lib);
   taken.insert(t->name);
   rec.loaded = true;
@@ -356,7 +363,7 @@ std::vector<std::string> plugin_search_path(const std::string& plugin_path, bool
 }
 
 LoadedPlugins load_plugins(const std::vector<std::string>& search_path,
-                           std::set<std::string>& taken) {
+                           std::set<std::string>& taken, const std::set<std::string>& disabled) {
   LoadedPlugins out;
   std::set<std::string> seen_files;
   for (const std::string& entry : search_path) {
@@ -367,7 +374,7 @@ LoadedPlugins load_plugins(const std::vector<std::string>& search_path,
       if (!seen_files.insert(key).second) continue;  // same file via two path entries
       // A later directory holding a plugin of a name already loaded is a duplicate: it is
       // recorded, not loaded (the first on the search path wins).
-      load_one(f, taken, out);
+      load_one(f, taken, disabled, out);
     }
   }
   return out;

@@ -65,9 +65,14 @@ Registry::Registry(const RuntimeOptions& o) {
   std::set<std::string> taken;
   for (const auto& b : backends_) taken.insert(b->name());
 
+  // Known before loading so that a disabled plugin is never initialised; the names are
+  // checked below, once every plugin's name is known.
+  const std::vector<std::string> disable =
+      o.disable ? *o.disable : split_list(env("ATTNRT_DISABLE"));
+  const std::set<std::string> disable_set(disable.begin(), disable.end());
   search_path_ = plugin_search_path(o.plugin_path.value_or(env("ATTNRT_PLUGIN_PATH")),
                                     o.search_library_dir);
-  LoadedPlugins loaded = load_plugins(search_path_, taken);
+  LoadedPlugins loaded = load_plugins(search_path_, taken, disable_set);
   records_ = std::move(loaded.records);
   for (auto& b : loaded.backends) {
     plugins_.insert(b.get());
@@ -85,8 +90,6 @@ Registry::Registry(const RuntimeOptions& o) {
     for (const auto& n : known) s += (s.empty() ? "" : ", ") + n;
     return s;
   };
-  std::vector<std::string> disable =
-      o.disable ? *o.disable : split_list(env("ATTNRT_DISABLE"));
   for (const auto& n : disable) {
     if (!known.count(n))
       throw InvalidArgument("ATTNRT_DISABLE: unknown backend '" + n + "' (known: " + known_list() + ")");

@@ -295,9 +295,11 @@ struct Runtime::Impl {
 };
 
 Runtime::Runtime(RuntimeOptions options) : impl_(std::make_unique<Impl>(options)) {
-  // One line per plugin file that could not be used: a missing fast path is never silent.
+  // One warning per plugin file that could not be used because it is defective: a broken
+  // fast path is never silent. A plugin whose runtime or hardware is absent here, or that is
+  // disabled, was logged at info level by the loader; doctor and report() list it either way.
   for (const auto& r : impl_->registry.plugin_records())
-    if (!r.loaded)
+    if (!r.loaded && !r.expected)
       impl_->warn_once("load|" + r.path, "plugin " + (r.name.empty() ? r.path : "'" + r.name + "' (" + r.path + ")") +
                                             " not used: " + r.reason);
 }

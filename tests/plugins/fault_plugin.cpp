@@ -5,6 +5,7 @@
 // really tries every variant. Includes only the plugin ABI, as real plugins do, so the 16-bit
 // conversions are its own.
 //
+// NO_RUNTIME's init reports its runtime absent, as a GPU plugin does on a machine without one.
 // FAKE_GPU and ALLOC_FAILS serve a pretend accelerator, cuda:0, whose "device memory" is host
 // memory: FAKE_GPU allocates it with malloc; ALLOC_FAILS fails every allocation, so its canary
 // cannot even be set up.
@@ -114,6 +115,9 @@ struct Plan {
 int32_t init() {
 #if defined(FAULT_MISSING_DEP)
   return attnrt_testdep_value() == 42 ? ATTNRT_OK : fail(ATTNRT_INTERNAL, "dep");
+#elif defined(FAULT_NO_RUNTIME)
+  // What a plugin does on a machine without its driver or hardware.
+  return fail(ATTNRT_UNAVAILABLE, "no test runtime on this machine (injected)");
 #else
   return ATTNRT_OK;
 #endif
