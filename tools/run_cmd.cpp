@@ -15,6 +15,7 @@
 #include <cstdio>
 #include <cstring>
 #include <iostream>
+#include <limits>
 #include <map>
 #include <memory>
 #include <random>
@@ -134,10 +135,26 @@ void run(const RunOptions& o) {
     throw attnrt::InvalidArgument("--check-rows: got " + std::to_string(o.check_rows) + ", expected >= 0");
   if (o.page_size < 0)
     throw attnrt::InvalidArgument("--page-size: got " + std::to_string(o.page_size) + ", expected >= 1");
+  // Upper limits, so that token, page and row counts stay in 32-bit ints (kv_len, page ids and
+  // the sizes computed below are int32): 16M tokens per request is beyond any model's context.
+  constexpr int kMaxTokens = 1 << 24, kMaxPageSize = 1 << 16, kMaxBatch = 1 << 16;
+  auto at_most = [](const char* option, int64_t v, int64_t limit, const char* what = "") {
+    if (v > limit)
+      throw attnrt::InvalidArgument(std::string(option) + ": got " + std::to_string(v) + what +
+                                    ", expected <= " + std::to_string(limit));
+  };
+  at_most("--batch", o.batch, kMaxBatch);
+  at_most("--prompt-len", o.prompt_len, kMaxTokens);
+  at_most("--decode-steps", o.decode_steps, kMaxTokens);
+  at_most("--page-size", o.page_size, kMaxPageSize);
   const attnrt::ModelConfig m = attnrt::resolve_model(o.model);
   RunOptions opt = o;
   if (opt.prompt_len == 0)
     opt.prompt_len = m.use_sparse ? (m.sparse.topk + 4) * m.sparse.block_size : 512;
+  const int64_t per_request = int64_t{opt.prompt_len} + opt.decode_steps;
+  at_most("--prompt-len + --decode-steps", per_request, kMaxTokens, " tokens per request");
+  at_most("--batch x (--prompt-len + --decode-steps)", o.batch * per_request,
+          std::numeric_limits<int32_t>::max(), " tokens in the batch");
   return run_resolved(opt, m);
 }
 
