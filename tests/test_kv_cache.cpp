@@ -3,7 +3,9 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
+#include <numeric>
 #include <set>
 
 #include "support.h"
@@ -119,8 +121,18 @@ TEST(PagedKvCache, PoolsHaveTheContractShapes) {
   EXPECT_THROW(PagedKvCache(rt, bad), InvalidArgument);
 }
 
-// The same logical keys stored (a) in order, one request after another, and (b) behind a
-// scrambled page table; every backend must give bit-identical outputs and lse.
+// Copies logical page i of `from` (pages in `from_ids` order) to slot to_ids[i] of `to`.
+void copy_pages(const HostTensor& from, const std::vector<int32_t>& from_ids, HostTensor& to,
+                const std::vector<int32_t>& to_ids) {
+  const size_t page_bytes = static_cast<size_t>(from.view.strides[0]) * dtype_size(from.view.dtype);
+  for (size_t i = 0; i < from_ids.size(); ++i)
+    std::memcpy(to.bytes.data() + to_ids[i] * page_bytes, from.bytes.data() + from_ids[i] * page_bytes,
+                page_bytes);
+}
+
+// The same logical keys (and index keys) stored (a) in order, one request after another, and
+// (b) behind a scrambled page table; every backend must give bit-identical outputs: out and lse
+// of attention, the selected blocks of the indexer.
 void expect_paging_invariant(const std::string& backend, Op op, int ps, DType dt) {
   SCOPED_TRACE(backend + " " + op_name(op) + " page " + std::to_string(ps) + " " + dtype_name(dt));
   const uint64_t seed = test::fresh_seed();
@@ -129,7 +141,7 @@ void expect_paging_invariant(const std::string& backend, Op op, int ps, DType dt
   const bool dec = is_decode(op);
   const std::vector<int32_t> kv = {70, 33, 129};
   const std::vector<int32_t> ql = dec ? std::vector<int32_t>{1, 1, 1} : std::vector<int32_t>{9, 33, 5};
-  const int Hq = 8, Hkv = 2, D = 64;
+  const int Hq = 8, Hkv = 2, D = 64, Hidx = 4, Didx = 32, B = 16, K = 4;
   int pages = 0;
   for (int32_t n : kv) pages += (n + ps - 1) / ps;
   PageAllocator scrambled(pages, ps, seed);
@@ -145,20 +157,6 @@ void expect_paging_invariant(const std::string& backend, Op op, int ps, DType dt
   const BatchLayout lb = scrambled.layout(ids, ql);
   ASSERT_NE(la.page_ids, lb.page_ids);
 
-  const int64_t T = la.total_q();
-  HostTensor q(dt, {T, Hq, D}), ka(dt, {pages, ps, Hkv, D}), va(dt, {pages, ps, Hkv, D});
-  test::fill_normal(q, rng);
-  test::fill_normal(ka, rng);
-  test::fill_normal(va, rng);
-  // Copy logical page (b, i) of the ordered cache into its scrambled slot.
-  HostTensor kb(dt, {pages, ps, Hkv, D}), vb(dt, {pages, ps, Hkv, D});
-  const size_t page_bytes = size_t(ps) * Hkv * D * dtype_size(dt);
-  for (size_t i = 0; i < la.page_ids.size(); ++i) {
-    std::memcpy(kb.bytes.data() + lb.page_ids[i] * page_bytes, ka.bytes.data() + la.page_ids[i] * page_bytes,
-                page_bytes);
-    std::memcpy(vb.bytes.data() + lb.page_ids[i] * page_bytes, va.bytes.data() + la.page_ids[i] * page_bytes,
-                page_bytes);
-  }
   Problem p;
   p.op = op;
   p.q_dtype = p.kv_dtype = dt;
@@ -166,14 +164,66 @@ void expect_paging_invariant(const std::string& backend, Op op, int ps, DType dt
   p.num_q_heads = Hq;
   p.num_kv_heads = Hkv;
   p.head_dim = D;
-  p.write_lse = true;
+  p.write_lse = !is_index(op);
+  p.num_index_heads = Hidx;  // 2 index heads per KV head for sparse attend
+  p.index_dim = Didx;
+  p.block_size = B;
+  p.topk = K;
+  if (is_index(op)) p.init_blocks = p.local_blocks = 1;
+
+  const int64_t T = la.total_q();
+  HostTensor q(dt, {T, Hq, D}), ka(dt, {pages, ps, Hkv, D}), va(dt, {pages, ps, Hkv, D});
+  HostTensor iq(dt, {T, Hidx, Didx}), ika(dt, {pages, ps, 1, Didx});
+  for (HostTensor* t : {&q, &ka, &va, &iq, &ika}) test::fill_normal(*t, rng);
+  HostTensor kb(dt, {pages, ps, Hkv, D}), vb(dt, {pages, ps, Hkv, D}), ikb(dt, {pages, ps, 1, Didx});
+  copy_pages(ka, la.page_ids, kb, lb.page_ids);
+  copy_pages(va, la.page_ids, vb, lb.page_ids);
+  copy_pages(ika, la.page_ids, ikb, lb.page_ids);
+  // Sparse attend reads a selection: random legal rows (own block always in), the same for both.
+  HostTensor sel(DType::i32, {Hidx, T, K});
+  for (size_t b = 0; b < kv.size(); ++b)
+    for (int64_t r = la.q_indptr[b]; r < la.q_indptr[b + 1]; ++r) {
+      const int nvis = static_cast<int>((kv[b] - ql[b] + (r - la.q_indptr[b])) / B + 1);
+      for (int h = 0; h < Hidx; ++h) {
+        std::vector<int32_t> blocks(nvis);
+        std::iota(blocks.begin(), blocks.end(), 0);
+        std::shuffle(blocks.begin(), blocks.end() - 1, rng);
+        std::swap(blocks[0], blocks.back());
+        const int n = std::min(K, 1 + static_cast<int>(rng() % K));
+        std::sort(blocks.begin(), blocks.begin() + std::min(n, nvis));
+        for (int k = 0; k < K; ++k)
+          sel.view.ptr<int32_t>()[(h * T + r) * K + k] = k < std::min(n, nvis) ? blocks[k] : -1;
+      }
+    }
+
   Runtime rt(forced(backend));
   HostTensor oa(dt, {T, Hq, D}), ob(dt, {T, Hq, D}), sa(DType::f32, {T, Hq}), sb(DType::f32, {T, Hq});
-  for (HostTensor* t : {&oa, &ob, &sa, &sb}) test::poison(*t);
-  Tensors ta{q.view, ka.view, va.view, oa.view, sa.view, {}, {}, {}, {}};
-  Tensors tb{q.view, kb.view, vb.view, ob.view, sb.view, {}, {}, {}, {}};
+  HostTensor ta_sel(DType::i32, {Hidx, T, K}), tb_sel(DType::i32, {Hidx, T, K});
+  for (HostTensor* t : {&oa, &ob, &sa, &sb, &ta_sel, &tb_sel}) test::poison(*t);
+  Tensors ta, tb;
+  if (is_index(op)) {
+    ta.index_q = tb.index_q = iq.view;
+    ta.index_k_cache = ika.view;
+    tb.index_k_cache = ikb.view;
+    ta.topk = ta_sel.view;
+    tb.topk = tb_sel.view;
+  } else {
+    ta = {q.view, ka.view, va.view, oa.view, sa.view, {}, {}, {}, {}};
+    tb = {q.view, kb.view, vb.view, ob.view, sb.view, {}, {}, {}, {}};
+    if (is_sparse_attend(op)) ta.topk = tb.topk = sel.view;
+  }
   rt.execute(p, la, ta);
   rt.execute(p, lb, tb);
+  EXPECT_EQ(rt.plan(p, la)->backend(), backend);
+  if (is_index(op)) {
+    // Every row was written (valid ids or -1 padding), and identically.
+    for (int64_t i = 0; i < ta_sel.numel(); ++i) {
+      const int32_t id = ta_sel.view.ptr<int32_t>()[i];
+      ASSERT_TRUE(id >= -1 && id < 9) << "element " << i << " = " << id;
+    }
+    EXPECT_EQ(0, std::memcmp(ta_sel.bytes.data(), tb_sel.bytes.data(), ta_sel.bytes.size()));
+    return;
+  }
   ASSERT_FALSE(test::has_nan(oa));
   ASSERT_FALSE(test::has_nan(sa));
   EXPECT_EQ(0, std::memcmp(oa.bytes.data(), ob.bytes.data(), oa.bytes.size()));
@@ -183,6 +233,14 @@ void expect_paging_invariant(const std::string& backend, Op op, int ps, DType dt
 TEST(PagedKvCache, ScrambledPagesGiveBitIdenticalResults) {
   for (const std::string backend : {"reference", "cpu"})
     for (Op op : {Op::dense_extend, Op::dense_decode})
+      for (int ps : {1, 16, 64})
+        for (DType dt : {DType::f32, DType::bf16}) expect_paging_invariant(backend, op, ps, dt);
+}
+
+TEST(PagedKvCache, ScrambledPagesGiveBitIdenticalSparseResults) {
+  for (const std::string backend : {"reference", "cpu"})
+    for (Op op : {Op::sparse_index_extend, Op::sparse_index_decode, Op::sparse_attend_extend,
+                  Op::sparse_attend_decode})
       for (int ps : {1, 16, 64})
         for (DType dt : {DType::f32, DType::bf16}) expect_paging_invariant(backend, op, ps, dt);
 }

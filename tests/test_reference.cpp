@@ -235,25 +235,50 @@ TEST(Reference, IndexRowsAreAscendingUniquePaddedAndForcedAndMatchNaive) {
     }
 }
 
-TEST(Reference, SparseEqualsDenseWhenEveryBlockIsSelectedAndRepeatsAreBitIdentical) {
-  const uint64_t seed = test::fresh_seed();
-  Case c(Op::sparse_attend_extend, 4, {3, 2}, {11, 9}, seed);  // <= 3 blocks each
-  for (int h = 0; h < 2; ++h)
-    for (int64_t r = 0; r < c.layout.total_q(); ++r)
-      for (int k = 0; k < 3; ++k) static_cast<int32_t*>(c.topk.view.data)[(h * 5 + r) * 3 + k] = k;
-  // Rows whose position sees fewer blocks would fail host validation but the reference simply
-  // drops keys beyond the position, which is exactly the dense set.
-  reference_compute(c.p, c.layout, c.tensors());
-  HostTensor sparse_out = c.out, sparse_lse = c.lse;
-  c.p.op = Op::dense_extend;
-  test::poison(c.out);
-  reference_compute(c.p, c.layout, c.tensors());
-  EXPECT_EQ(0, std::memcmp(sparse_out.bytes.data(), c.out.bytes.data(), c.out.bytes.size()));
-  EXPECT_EQ(0, std::memcmp(sparse_lse.bytes.data(), c.lse.bytes.data(), c.lse.bytes.size()));
-  HostTensor first = c.out;
-  test::poison(c.out);
-  reference_compute(c.p, c.layout, c.tensors());
-  EXPECT_EQ(0, std::memcmp(first.bytes.data(), c.out.bytes.data(), c.out.bytes.size()));
+// With every visible block within top-k, the indexer must select all of them (ascending, -1
+// padded), and sparse attention over that selection is dense attention: bit-identical, since
+// the reference visits the same keys in the same order. Runs the reference indexer itself, on
+// fresh random inputs, for extend and decode.
+TEST(Reference, SparseEqualsDenseWhenEveryVisibleBlockFitsInTopk) {
+  for (const bool dec : {false, true}) {
+    const uint64_t seed = test::fresh_seed();
+    SCOPED_TRACE(std::string(dec ? "decode" : "extend") + " seed " + std::to_string(seed));
+    // Contexts of at most 12 tokens: <= 3 blocks of 4, and topk is 3.
+    Case c(dec ? Op::sparse_index_decode : Op::sparse_index_extend, 4,
+           dec ? std::vector<int32_t>{1, 1, 1} : std::vector<int32_t>{3, 2, 7}, {11, 9, 12}, seed);
+    const int64_t T = c.layout.total_q();
+    test::poison(c.topk);
+    reference_compute(c.p, c.layout, c.tensors());
+    const int32_t* sel = static_cast<const int32_t*>(c.topk.view.data);
+    for (int b = 0; b < c.layout.num_requests(); ++b)
+      for (int t = 0; t < c.layout.q_len[b]; ++t) {
+        const int64_t row = c.layout.q_indptr[b] + t;
+        const int nvis = (c.layout.kv_len[b] - c.layout.q_len[b] + t) / 4 + 1;
+        for (int h = 0; h < 2; ++h)
+          for (int k = 0; k < 3; ++k)
+            EXPECT_EQ(sel[(h * T + row) * 3 + k], k < nvis ? k : -1) << "head " << h << " row " << row;
+      }
+
+    c.p.op = dec ? Op::sparse_attend_decode : Op::sparse_attend_extend;
+    c.p.has_sink = c.p.write_lse = true;
+    reference_compute(c.p, c.layout, c.tensors());
+    ASSERT_FALSE(test::has_nan(c.out));
+    ASSERT_FALSE(test::has_nan(c.lse));
+    HostTensor sparse_out = c.out, sparse_lse = c.lse;
+    // A repeat is bit-identical.
+    test::poison(c.out);
+    test::poison(c.lse);
+    reference_compute(c.p, c.layout, c.tensors());
+    EXPECT_EQ(0, std::memcmp(sparse_out.bytes.data(), c.out.bytes.data(), c.out.bytes.size()));
+    EXPECT_EQ(0, std::memcmp(sparse_lse.bytes.data(), c.lse.bytes.data(), c.lse.bytes.size()));
+
+    c.p.op = dec ? Op::dense_decode : Op::dense_extend;
+    test::poison(c.out);
+    test::poison(c.lse);
+    reference_compute(c.p, c.layout, c.tensors());
+    EXPECT_EQ(0, std::memcmp(sparse_out.bytes.data(), c.out.bytes.data(), c.out.bytes.size()));
+    EXPECT_EQ(0, std::memcmp(sparse_lse.bytes.data(), c.lse.bytes.data(), c.lse.bytes.size()));
+  }
 }
 
 }  // namespace

@@ -79,15 +79,17 @@ struct DenseCase {
     std::vector<int32_t> ql = dec ? std::vector<int32_t>{1, 1} : std::vector<int32_t>{3, 2};
     std::vector<int32_t> kv = {kv0, 9};
     std::vector<std::vector<int32_t>> pages(2);
+    // Pages handed out from the top of the pool down (page order is not request order).
+    const int pool = std::max(21, (kv0 + 3) / 4 + 3);
     int next = 0;
     for (int r = 0; r < 2; ++r)
-      for (int i = 0; i < (kv[r] + 3) / 4; ++i) pages[r].push_back(20 - next++);
+      for (int i = 0; i < (kv[r] + 3) / 4; ++i) pages[r].push_back(pool - 1 - next++);
     layout = BatchLayout::make(4, ql, kv, pages);
     int64_t T = layout.total_q();
     std::mt19937_64 rng(seed);
     q = HostTensor(dt, {T, 4, 16});
-    k = HostTensor(dt, {21, 4, 2, 16});
-    v = HostTensor(dt, {21, 4, 2, 16});
+    k = HostTensor(dt, {pool, 4, 2, 16});
+    v = HostTensor(dt, {pool, 4, 2, 16});
     out = HostTensor(dt, {T, 4, 16});
     lse = HostTensor(DType::f32, {T, 4});
     ref_out = out;
@@ -495,38 +497,74 @@ TEST(Runtime, PlanWithoutBackendThrowsOnEveryRun) {
   EXPECT_THROW(rt.run(*rt.update(plan, c.layout), c.tensors()), BackendUnavailable);
 }
 
-TEST(Runtime, EightThreadsMatchSerial) {
-  Runtime rt(options_for("healthy"));
-  std::vector<std::unique_ptr<DenseCase>> cases;
-  for (int i = 0; i < 8; ++i)
-    cases.push_back(std::make_unique<DenseCase>(test::fresh_seed() + i, i % 2 ? Op::dense_decode : Op::dense_extend));
-  std::vector<std::thread> threads;
-  std::atomic<int> bad{0};
-  for (int i = 0; i < 8; ++i)
-    threads.emplace_back([&, i] {
-      for (int rep = 0; rep < 5; ++rep) {
-        cases[i]->run(rt);
-        if (!(cases[i]->err() < 1e-5)) ++bad;
-      }
-    });
-  for (auto& t : threads) t.join();
-  EXPECT_EQ(bad.load(), 0);
+bool same_bytes(const HostTensor& a, const HostTensor& b) {
+  return a.bytes.size() == b.bytes.size() && std::memcmp(a.bytes.data(), b.bytes.data(), a.bytes.size()) == 0;
 }
 
+// Eight threads share one Runtime: every thread's every output is bit-identical to a serial run
+// of the same case, and close to the reference. Once with a plugin serving the cases, once with
+// the cpu backend (long decodes split over the keys, so workspace partials are in use).
+TEST(Runtime, EightThreadsMatchSerial) {
+  for (const std::string fault : {"healthy", "none"}) {
+    SCOPED_TRACE(fault);
+    Runtime rt(options_for(fault));
+    std::vector<std::unique_ptr<DenseCase>> cases;
+    std::vector<HostTensor> serial_out, serial_lse;
+    for (int i = 0; i < 8; ++i) {
+      const Op op = i % 2 ? Op::dense_decode : Op::dense_extend;
+      cases.push_back(std::make_unique<DenseCase>(test::fresh_seed() + i, op, i % 2 ? 1500 : 29,
+                                                  i % 4 == 3 ? DType::bf16 : DType::f32));
+      cases.back()->run(rt);
+      serial_out.push_back(cases.back()->out);
+      serial_lse.push_back(cases.back()->lse);
+    }
+    EXPECT_EQ(rt.plan(cases[1]->problem, cases[1]->layout)->backend(),
+              fault == "none" ? "cpu" : "fault_healthy");
+    std::vector<std::thread> threads;
+    std::atomic<int> differ{0}, far{0};
+    for (int i = 0; i < 8; ++i)
+      threads.emplace_back([&, i] {
+        for (int rep = 0; rep < 5; ++rep) {
+          cases[i]->run(rt);
+          if (!same_bytes(cases[i]->out, serial_out[i]) || !same_bytes(cases[i]->lse, serial_lse[i]))
+            ++differ;
+          if (!(cases[i]->err() < 5e-3)) ++far;
+        }
+      });
+    for (auto& t : threads) t.join();
+    EXPECT_EQ(differ.load(), 0) << "runs differing from the serial run";
+    EXPECT_EQ(far.load(), 0) << "runs far from the reference";
+    for (auto& c : cases) {
+      if (c->problem.q_dtype == DType::f32) {
+        EXPECT_LT(c->err(), 1e-5);
+      }
+    }
+  }
+}
+
+// Two Runtimes, both on the cpu backend, run at once on different data: each has its own
+// workspace (split-KV decode partials included), so neither disturbs the other.
 TEST(Runtime, TwoRuntimesConcurrentlyOnDifferentData) {
-  Runtime r1(options_for("none")), r2(options_for("healthy"));
-  DenseCase a(test::fresh_seed()), b(test::fresh_seed() + 7, Op::dense_decode);
+  RuntimeOptions o = options_for("none");
+  o.force_backend = "cpu";
+  Runtime r1(o), r2(o);
+  DenseCase a(test::fresh_seed(), Op::dense_decode, 2000), b(test::fresh_seed() + 7, Op::dense_decode, 1700);
+  EXPECT_EQ(r1.plan(a.problem, a.layout)->backend(), "cpu");
+  EXPECT_EQ(r2.plan(b.problem, b.layout)->backend(), "cpu");
+  a.run(r1);
+  b.run(r2);
+  const HostTensor a_out = a.out, b_out = b.out;
   std::atomic<int> bad{0};
   std::thread t1([&] {
     for (int i = 0; i < 10; ++i) {
       a.run(r1);
-      if (!(a.err() < 1e-5)) ++bad;
+      if (!(a.err() < 1e-5) || !same_bytes(a.out, a_out)) ++bad;
     }
   });
   std::thread t2([&] {
     for (int i = 0; i < 10; ++i) {
       b.run(r2);
-      if (!(b.err() < 1e-5)) ++bad;
+      if (!(b.err() < 1e-5) || !same_bytes(b.out, b_out)) ++bad;
     }
   });
   t1.join();
