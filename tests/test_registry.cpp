@@ -422,6 +422,47 @@ TEST(Registry, BadInputNeverTriggersFallback) {
   EXPECT_TRUE(rt.report().ops.empty());
 }
 
+// update() refreshes a decode plan in place when its backend can (the healthy plugin can): the
+// same plan object then computes the new layout correctly, and plan() no longer hands it out
+// for the old layout.
+TEST(PlanCache, UpdateRefreshesInPlaceAndLeavesTheCache) {
+  Runtime rt(options_for("healthy"));
+  DenseCase c(test::fresh_seed(), Op::dense_decode, 29);
+  const BatchLayout old_layout = c.layout;
+  auto plan = rt.plan(c.problem, old_layout);
+  ASSERT_EQ(plan->backend(), "fault_healthy");
+  // Each request grows by three tokens, onto pages of the pool nobody used yet.
+  std::vector<std::vector<int32_t>> pages(2);
+  std::vector<int32_t> kv = {old_layout.kv_len[0] + 3, old_layout.kv_len[1] + 3};
+  std::vector<bool> used(c.k.view.shape[0], false);
+  for (int32_t id : old_layout.page_ids) used[id] = true;
+  int32_t spare = 0;
+  for (int r = 0; r < 2; ++r) {
+    pages[r].assign(old_layout.page_ids.begin() + old_layout.page_indptr[r],
+                    old_layout.page_ids.begin() + old_layout.page_indptr[r + 1]);
+    while (static_cast<int32_t>(pages[r].size()) * 4 < kv[r]) {
+      while (used[spare]) ++spare;
+      used[spare] = true;
+      pages[r].push_back(spare);
+    }
+  }
+  c.layout = BatchLayout::make(4, old_layout.q_len, kv, pages);
+  Tensors ref = c.tensors();
+  ref.out = c.ref_out.view;
+  ref.lse = c.ref_lse.view;
+  reference_compute(c.problem, c.layout, ref);
+  auto updated = rt.update(plan, c.layout);
+  EXPECT_EQ(updated.get(), plan.get()) << "refreshed in place";
+  EXPECT_EQ(plan->layout(), c.layout);
+  test::poison(c.out);
+  test::poison(c.lse);
+  rt.run(*updated, c.tensors());
+  EXPECT_LT(c.err(), 1e-5);
+  auto again = rt.plan(c.problem, old_layout);
+  EXPECT_NE(again.get(), plan.get()) << "the cache must not return the refreshed plan";
+  EXPECT_EQ(again->layout(), old_layout);
+}
+
 TEST(PlanCache, ExactKeys) {
   Runtime rt(options_for("none"));
   DenseCase a(1), b(1, Op::dense_extend, 30);  // differ in one kv_len

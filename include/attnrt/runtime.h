@@ -142,6 +142,9 @@ class Runtime {
   void execute(const Problem& problem, const BatchLayout& layout, const Tensors& tensors);
   // A plan for a new layout with the same request count that keeps the old plan's device
   // addresses when its backend can refresh in place (CUDA-graph replay); else a fresh plan.
+  // Refreshing in place changes the plan for every holder and drops it from the plan cache,
+  // so plan() no longer returns it for its old layout; runs of it already in flight on other
+  // threads finish first.
   std::shared_ptr<const Plan> update(const std::shared_ptr<const Plan>& plan,
                                      const BatchLayout& layout);
 

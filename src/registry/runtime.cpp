@@ -277,6 +277,17 @@ struct Runtime::Impl {
     }
     return nullptr;
   }
+  void cache_erase(const Plan* plan) {
+    std::lock_guard lock(cache_mu);
+    for (auto it = cache.begin(); it != cache.end();) {
+      if (it->second.plan.get() == plan) {
+        lru.erase(it->second.lru);
+        it = cache.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
   void cache_put(uint64_t key, std::shared_ptr<const Plan> plan) {
     std::lock_guard lock(cache_mu);
     lru.push_front(key);
@@ -350,7 +361,10 @@ std::shared_ptr<const Plan> Runtime::plan(const Problem& problem, const BatchLay
 
 void Runtime::run(const Plan& plan, const Tensors& tensors) {
   Plan::State& s = *plan.state_;
-  validate_tensors(s.problem, s.layout, s.max_page, tensors);
+  {
+    std::shared_lock lock(s.mu);  // update() may change the layout of a shared plan
+    validate_tensors(s.problem, s.layout, s.max_page, tensors);
+  }
   Workspace& ws = impl_->workspace(s.problem.device);
   std::vector<Impl::Failure> failures;
   for (;;) {
@@ -394,6 +408,8 @@ std::shared_ptr<const Plan> Runtime::update(const std::shared_ptr<const Plan>& o
     return plan(p, layout);
   MaxPage max_page = validate_layout(p, layout);
   Plan::State& s = *old->state_;
+  // The plan changes in place: it no longer answers plan() for its old layout.
+  impl_->cache_erase(old.get());
   std::unique_lock lock(s.mu);
   if (s.backend && s.backend->update_plan(*s.bplan, p, layout)) {
     s.layout = layout;

@@ -187,6 +187,29 @@ T* copy_array(const T* src, int64_t n) {
 #endif
 }
 
+// Refreshes a decode plan in place (new lengths and pages for the same requests), as a GPU
+// backend does for graph replay.
+[[maybe_unused]] int32_t update_plan(attnrt_plan h, const attnrt_layout* l) {
+  Plan* pl = reinterpret_cast<Plan*>(h);
+  if (l->num_requests != pl->n) return fail(ATTNRT_UNAVAILABLE, "another request count");
+  int32_t* kv = copy_array(l->kv_len, l->num_requests);
+  int32_t* indptr = copy_array(l->page_indptr, l->num_requests + 1);
+  int32_t* ids = copy_array(l->page_ids, l->page_indptr[l->num_requests]);
+  if (!kv || !indptr || !ids) {
+    delete[] kv;
+    delete[] indptr;
+    delete[] ids;
+    return fail(ATTNRT_INTERNAL, "out of memory");
+  }
+  delete[] pl->kv_len;
+  delete[] pl->page_indptr;
+  delete[] pl->page_ids;
+  pl->kv_len = kv;
+  pl->page_indptr = indptr;
+  pl->page_ids = ids;
+  return ATTNRT_OK;
+}
+
 void destroy_plan(attnrt_plan h) {
   Plan* p = reinterpret_cast<Plan*>(h);
   if (!p) return;
@@ -279,7 +302,11 @@ const attnrt_plugin_v1 kTable = {
     /* .run = */ run,
     /* .destroy_plan = */ destroy_plan,
     /* .last_error = */ last_error,
+#if defined(FAULT_HEALTHY)
+    /* .update_plan = */ update_plan,
+#else
     /* .update_plan = */ nullptr,
+#endif
     /* .preferred_page_size = */ nullptr,
 #if defined(FAULT_FAKE_GPU) || defined(FAULT_ALLOC_FAILS)
     /* .mem_alloc = */ mem_alloc,
