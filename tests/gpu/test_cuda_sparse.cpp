@@ -8,6 +8,8 @@
 //   * a long-context decode (ATTNRT_SPARSE_LONG_CTX tokens, default 524288).
 // Outputs are NaN-poisoned before every run. Without a CUDA device every test is skipped.
 // ATTNRT_GPU_BENCH=1 enables the M3 per-rank timing test.
+#include <cuda_runtime.h>
+
 #include "plugin_harness.h"
 
 #include <algorithm>
@@ -670,6 +672,117 @@ TEST(CudaSparse, LongContextDecode) {
 
 // M3 per-rank timings (ATTNRT_GPU_BENCH=1): indexer, attend, their sum, and the plugin's dense
 // op on the same shape. Host wall clock over 20 queued runs after 3 warm-ups.
+// Sparse decode under a CUDA graph: the indexer and sparse attend of one step captured once;
+// update_plan gives both plans new lengths and page lists (same requests) and the replay matches
+// the reference each time. The longest step crosses block boundaries, so new blocks appear.
+TEST(CudaSparse, DecodeGraphReplaysWithNewLengths) {
+  REQUIRE_GPU();
+  ASSERT_NE(g_plugin->update_plan, nullptr);
+  SparseParams S;
+  S.B = 64;
+  S.K = 8;
+  S.local = 1;
+  const std::vector<int32_t> longest = {3000, 5000, 1300};
+  const Batch Bmax = make_batch(ATTNRT_BF16, 16, 1, 1, 128, 128, {1, 1, 1}, longest, 31);
+  const Paging Pmax = make_paging(Bmax, 64, 5);
+  // The layout of shorter contexts: each request's first pages of the longest layout.
+  auto step = [&](const std::vector<int32_t>& kv, Batch* B, Paging* P) {
+    *B = Bmax;
+    B->kv_len = kv;
+    *P = Pmax;
+    P->page_indptr.assign(1, 0);
+    P->page_ids.clear();
+    for (size_t b = 0; b < kv.size(); ++b) {
+      const int np = (kv[b] + P->ps - 1) / P->ps;
+      P->page_ids.insert(P->page_ids.end(), Pmax.page_ids.begin() + Pmax.page_indptr[b],
+                         Pmax.page_ids.begin() + Pmax.page_indptr[b] + np);
+      P->page_indptr.push_back(static_cast<int32_t>(P->page_ids.size()));
+    }
+  };
+  const std::vector<std::vector<int32_t>> steps = {
+      {2800, 4900, 1000}, {2801, 4901, 1001}, {2880, 4990, 1090}, {3000, 5000, 1300}};
+  Batch B;
+  Paging P;
+  step(steps[0], &B, &P);
+  attnrt_layout L = layout_of(B, P);
+  const attnrt_problem pi = problem_of(ATTNRT_OP_SPARSE_INDEX_DECODE, B, S, P.ps);
+  const attnrt_problem pa = problem_of(ATTNRT_OP_SPARSE_ATTEND_DECODE, B, S, P.ps);
+  attnrt_plan plan_i = nullptr, plan_a = nullptr;
+  ASSERT_EQ(g_plugin->plan(&pi, &L, &plan_i), ATTNRT_OK) << g_plugin->last_error();
+  ASSERT_EQ(g_plugin->plan(&pa, &L, &plan_a), ATTNRT_OK) << g_plugin->last_error();
+  const std::vector<uint16_t> ikp = to_pool(Bmax, Pmax, Bmax.ik, 1, Bmax.didx),
+                              kp = to_pool(Bmax, Pmax, Bmax.k, 1, Bmax.d),
+                              vp = to_pool(Bmax, Pmax, Bmax.v, 1, Bmax.d);
+  const size_t n_topk = static_cast<size_t>(B.hidx) * B.T * S.K, n_out = B.q.size();
+  Dev diq(B.iq.size() * 2), dik(ikp.size() * 2), dq(B.q.size() * 2), dk(kp.size() * 2),
+      dv(vp.size() * 2), dt(n_topk * 4), dout(n_out * 2), dlse(B.T * B.hq * 4);
+  diq.up(B.iq.data(), B.iq.size() * 2);
+  dik.up(ikp.data(), ikp.size() * 2);
+  dq.up(B.q.data(), B.q.size() * 2);
+  dk.up(kp.data(), kp.size() * 2);
+  dv.up(vp.data(), vp.size() * 2);
+  attnrt_tensors ti{}, ta{};
+  ti.index_q = tensor(diq.p, B.dtype, 3, {B.T, B.hidx, B.didx});
+  ti.index_k_cache = tensor(dik.p, B.dtype, 4, {Pmax.num_pages, Pmax.ps, 1, B.didx});
+  ti.topk = tensor(dt.p, ATTNRT_I32, 3, {B.hidx, B.T, S.K});
+  ta.q = tensor(dq.p, B.dtype, 3, {B.T, B.hq, B.d});
+  ta.k_cache = tensor(dk.p, B.dtype, 4, {Pmax.num_pages, Pmax.ps, 1, B.d});
+  ta.v_cache = tensor(dv.p, B.dtype, 4, {Pmax.num_pages, Pmax.ps, 1, B.d});
+  ta.out = tensor(dout.p, B.dtype, 3, {B.T, B.hq, B.d});
+  ta.lse = tensor(dlse.p, ATTNRT_F32, 2, {B.T, B.hq});
+  ta.topk = ti.topk;
+  cudaStream_t st;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), cudaSuccess);
+  cudaGraph_t graph;
+  ASSERT_EQ(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+  const int32_t ri = g_plugin->run(plan_i, &ti, st);
+  const int32_t ra = g_plugin->run(plan_a, &ta, st);
+  ASSERT_EQ(cudaStreamEndCapture(st, &graph), cudaSuccess);
+  ASSERT_EQ(ri, ATTNRT_OK) << g_plugin->last_error();
+  ASSERT_EQ(ra, ATTNRT_OK) << g_plugin->last_error();
+  cudaGraphExec_t exec;
+  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+  for (size_t i = 0; i < steps.size(); ++i) {
+    SCOPED_TRACE(i);
+    step(steps[i], &B, &P);
+    L = layout_of(B, P);
+    if (i > 0) {
+      ASSERT_EQ(g_plugin->update_plan(plan_i, &L), ATTNRT_OK) << g_plugin->last_error();
+      ASSERT_EQ(g_plugin->update_plan(plan_a, &L), ATTNRT_OK) << g_plugin->last_error();
+    }
+    std::vector<int32_t> tpoison(n_topk, -7);
+    std::vector<uint16_t> opoison(n_out, 0x7fc1);
+    dt.up(tpoison.data(), tpoison.size() * 4);
+    dout.up(opoison.data(), opoison.size() * 2);
+    ASSERT_EQ(cudaGraphLaunch(exec, st), cudaSuccess);
+    ASSERT_EQ(cudaStreamSynchronize(st), cudaSuccess);
+    std::vector<int32_t> topk(n_topk);
+    dt.down(topk.data(), topk.size() * 4);
+    int ties = 0;
+    check_topk(B, S, topk, ref_scores(B, S), &ties);
+    AttendOut got;
+    got.o.resize(n_out);
+    got.lse.resize(static_cast<size_t>(B.T) * B.hq);
+    dout.down(got.o.data(), got.o.size() * 2);
+    dlse.down(got.lse.data(), got.lse.size() * 4);
+    std::vector<double> ro, rl;
+    ref_attend(B, S, &topk, true, ro, rl);
+    double worst = 0;
+    expect_close(B, S, got, ro, rl, &worst);
+  }
+  // Past the plan's room (far longer contexts) update_plan refuses instead of misreading.
+  Batch Bl = Bmax;
+  Bl.kv_len = {200000, 10, 10};
+  Paging Pl = make_paging(Bl, 64, 0);
+  attnrt_layout Ll = layout_of(Bl, Pl);
+  EXPECT_EQ(g_plugin->update_plan(plan_i, &Ll), ATTNRT_UNAVAILABLE);
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(st);
+  g_plugin->destroy_plan(plan_i);
+  g_plugin->destroy_plan(plan_a);
+}
+
 TEST(CudaSparse, BenchM3) {
   REQUIRE_GPU();
   if (!std::getenv("ATTNRT_GPU_BENCH")) GTEST_SKIP() << "set ATTNRT_GPU_BENCH=1 to time";

@@ -195,8 +195,8 @@ void p_destroy_plan(attnrt_plan plan) {
 int32_t p_update_plan(attnrt_plan plan, const attnrt_layout* layout) {
   try {
     if (!plan) return fail(ATTNRT_INVALID, "null plan");
-    if (!attnrt_cuda_dense::is_dense_op(reinterpret_cast<const attnrt_problem*>(plan)->op))
-      return fail(ATTNRT_UNAVAILABLE, "update_plan serves dense_decode plans only");
+    if (attnrt_cuda_sparse::is_sparse_op(reinterpret_cast<const attnrt_problem*>(plan)->op))
+      return attnrt_cuda_sparse::update(plan, layout, g_error, sizeof g_error);
     return attnrt_cuda_dense::update(plan, layout, g_error, sizeof g_error);
   } catch (...) {
     return fail(ATTNRT_INTERNAL, "exception in cuda update_plan");

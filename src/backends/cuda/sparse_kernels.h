@@ -1,7 +1,7 @@
 // CUDA MiniMax sparse ops (spec/minimax-sparse.md §3-§5) for the CUDA plugin: the block indexer
 // (sparse_index_extend/decode) and sparse attend (sparse_attend_extend/decode).
 //
-// cuda_plugin.cu calls only the five functions below. A sparse plan starts with its
+// cuda_plugin.cu calls only the six functions below. A sparse plan starts with its
 // attnrt_problem (like the dense plan), so the plugin dispatches run/destroy on plan->op.
 // Errors are written into (err, cap); the caller copies them into its last_error.
 #pragma once
@@ -23,6 +23,10 @@ int32_t probe(const attnrt_problem* p, int cc_major, char* err, size_t cap);
 // Builds a plan (device metadata, score and split buffers sized from the layout).
 int32_t plan(const attnrt_problem* p, const attnrt_layout* layout, int sms, attnrt_plan* out,
              char* err, size_t cap);
+// Decode plans: absorbs new kv_len / page ids for the same requests in place (same device
+// addresses, same grid) so that a CUDA graph captured over run() replays with the new lengths;
+// ATTNRT_UNAVAILABLE when the layout does not fit the plan's room (the host re-plans).
+int32_t update(attnrt_plan plan, const attnrt_layout* layout, char* err, size_t cap);
 // Launches the op's kernels on `stream`; no allocation, no synchronization.
 int32_t run(attnrt_plan plan, const attnrt_tensors* t, void* stream, char* err, size_t cap);
 void destroy(attnrt_plan plan);

@@ -37,6 +37,10 @@ struct SparsePlan {
   attnrt_problem problem{};  // first member: cuda_plugin.cu dispatches on problem.op
   int n = 0;
   int64_t T = 0;
+  // Decode plans keep room to grow in place (update): page ids and, for the indexer, score
+  // blocks per request (its work items cover them; blocks past a request's length are skipped).
+  int page_capacity = 0;
+  int block_capacity = 0;
   int rows = 0;  // attend: packed tokens (extend) or requests (decode)
   int num_items = 0, rows_per_tile = 16;
   int htiles = 1, nsplit = 1, per_split = 1;
@@ -56,9 +60,10 @@ void free_plan(SparsePlan* p) {
   delete p;
 }
 
+// Allocates room for max(count, capacity) elements and copies the first count.
 template <typename T>
-int32_t upload(T** dst, const T* src, size_t count, char* err, size_t cap) {
-  SCK(cudaMalloc(reinterpret_cast<void**>(dst), sizeof(T) * std::max<size_t>(count, 1)));
+int32_t upload(T** dst, const T* src, size_t count, char* err, size_t cap, size_t capacity = 0) {
+  SCK(cudaMalloc(reinterpret_cast<void**>(dst), sizeof(T) * std::max<size_t>({count, capacity, 1})));
   if (count > 0) SCK(cudaMemcpy(*dst, src, sizeof(T) * count, cudaMemcpyHostToDevice));
   return ATTNRT_OK;
 }
@@ -77,10 +82,14 @@ int32_t plan_impl(const attnrt_problem* p, const attnrt_layout* L, int sms, Spar
   pl->n = n;
   pl->T = L->q_indptr[n];
   SCK(cudaSetDevice(p->device.index));
+  const bool decode = is_decode_op(p->op);
+  const int total_pages = L->page_indptr[n];
+  // Decode: room for growth, so that update() absorbs the next steps in place.
+  pl->page_capacity = decode ? std::max(2 * total_pages, total_pages + 16 * n) : total_pages;
   if (upload(&pl->d_q_len, L->q_len, n, err, cap) || upload(&pl->d_kv_len, L->kv_len, n, err, cap) ||
       upload(&pl->d_q_indptr, L->q_indptr, n + 1, err, cap) ||
       upload(&pl->d_page_indptr, L->page_indptr, n + 1, err, cap) ||
-      upload(&pl->d_page_ids, L->page_ids, static_cast<size_t>(L->page_indptr[n]), err, cap))
+      upload(&pl->d_page_ids, L->page_ids, total_pages, err, cap, pl->page_capacity))
     return ATTNRT_INTERNAL;
   const int B = p->block_size;
   std::vector<int32_t> tok_req(pl->T);
@@ -89,31 +98,33 @@ int32_t plan_impl(const attnrt_problem* p, const attnrt_layout* L, int sms, Spar
 
   if (is_index_op(p->op)) {
     const int H = p->num_index_heads;
+    int max_blk = 1;
+    for (int b = 0; b < n; ++b) max_blk = std::max(max_blk, (L->kv_len[b] + B - 1) / B);
+    // Decode: every request gets the same room, enough for 16 more blocks than the longest.
+    pl->block_capacity = decode ? max_blk + 16 : 0;
     std::vector<int64_t> base(n + 1, 0);
     int max_rows = 0;
     for (int b = 0; b < n; ++b) {
-      const int64_t nblk = (static_cast<int64_t>(L->kv_len[b]) + B - 1) / B;
+      const int64_t nblk = decode ? pl->block_capacity : (static_cast<int64_t>(L->kv_len[b]) + B - 1) / B;
       base[b + 1] = base[b] + static_cast<int64_t>(L->q_len[b]) * H * nblk;
       max_rows = std::max(max_rows, L->q_len[b] * H);
     }
     pl->rows_per_tile = max_rows >= 64 ? 64 : 16;
     const int RT = pl->rows_per_tile;
+    // Blocks a tile of rows scores: up to its last row's position (decode: the capacity).
+    auto tile_blocks = [&](int b, int r0) {
+      const int last = std::min(r0 + RT, L->q_len[b] * H) - 1;
+      return decode ? pl->block_capacity : (L->kv_len[b] - L->q_len[b] + last / H) / B + 1;
+    };
     int64_t tiles = 0;
-    for (int b = 0; b < n; ++b) {
-      const int nrows = L->q_len[b] * H;
-      for (int r0 = 0; r0 < nrows; r0 += RT) {
-        const int last = std::min(r0 + RT, nrows) - 1;
-        const int pos_max = L->kv_len[b] - L->q_len[b] + last / H;
-        tiles += pos_max / B + 1;
-      }
-    }
+    for (int b = 0; b < n; ++b)
+      for (int r0 = 0; r0 < L->q_len[b] * H; r0 += RT) tiles += tile_blocks(b, r0);
     const int64_t nbi = std::clamp<int64_t>(tiles / std::max(1, 4 * sms), 1, 32);
     std::vector<IndexItem> items;
     for (int b = 0; b < n; ++b) {
       const int nrows = L->q_len[b] * H;
       for (int r0 = 0; r0 < nrows; r0 += RT) {
-        const int last = std::min(r0 + RT, nrows) - 1;
-        const int nb = (L->kv_len[b] - L->q_len[b] + last / H) / B + 1;
+        const int nb = tile_blocks(b, r0);
         for (int c = 0; c < nb; c += static_cast<int>(nbi))
           items.push_back({b, r0, c, std::min<int>(nb, c + static_cast<int>(nbi))});
       }
@@ -129,7 +140,6 @@ int32_t plan_impl(const attnrt_problem* p, const attnrt_layout* L, int sms, Spar
   }
 
   // sparse attend
-  const bool decode = is_decode_op(p->op);
   pl->rows = decode ? n : static_cast<int>(pl->T);
   std::vector<int32_t> row_req(pl->rows), row_pos(pl->rows);
   for (int b = 0; b < n; ++b)
@@ -225,6 +235,41 @@ int32_t plan(const attnrt_problem* p, const attnrt_layout* L, int sms, attnrt_pl
   } catch (...) {
     return say(err, cap, ATTNRT_INTERNAL, "exception in cuda sparse plan");
   }
+}
+
+int32_t update(attnrt_plan plan, const attnrt_layout* L, char* err, size_t cap) {
+  SparsePlan* pl = reinterpret_cast<SparsePlan*>(plan);
+  const attnrt_problem& p = pl->problem;
+  if (!is_decode_op(p.op))
+    return say(err, cap, ATTNRT_UNAVAILABLE, "update_plan serves decode plans only");
+  const int n = L->num_requests;
+  if (n != pl->n)
+    return say(err, cap, ATTNRT_UNAVAILABLE, "update_plan: %d requests, plan has %d", n, pl->n);
+  for (int b = 0; b < n; ++b) {
+    if (L->q_len[b] != 1 || L->q_indptr[b] != b)
+      return say(err, cap, ATTNRT_UNAVAILABLE, "update_plan: request %d is not a decode row", b);
+    if (is_index_op(p.op) && (L->kv_len[b] + p.block_size - 1) / p.block_size > pl->block_capacity)
+      return say(err, cap, ATTNRT_UNAVAILABLE,
+                 "update_plan: request %d has %d blocks, the plan has room for %d", b,
+                 (L->kv_len[b] + p.block_size - 1) / p.block_size, pl->block_capacity);
+  }
+  const int total_pages = L->page_indptr[n];
+  if (total_pages > pl->page_capacity)
+    return say(err, cap, ATTNRT_UNAVAILABLE, "update_plan: %d pages exceed the plan's capacity %d",
+               total_pages, pl->page_capacity);
+  SCK(cudaSetDevice(p.device.index));
+  SCK(cudaMemcpy(pl->d_kv_len, L->kv_len, sizeof(int32_t) * n, cudaMemcpyHostToDevice));
+  SCK(cudaMemcpy(pl->d_page_indptr, L->page_indptr, sizeof(int32_t) * (n + 1),
+                 cudaMemcpyHostToDevice));
+  if (total_pages > 0)
+    SCK(cudaMemcpy(pl->d_page_ids, L->page_ids, sizeof(int32_t) * total_pages,
+                   cudaMemcpyHostToDevice));
+  if (pl->d_row_pos) {  // attend: the query of request b sits at kv_len - 1
+    std::vector<int32_t> pos(n);
+    for (int b = 0; b < n; ++b) pos[b] = L->kv_len[b] - 1;
+    SCK(cudaMemcpy(pl->d_row_pos, pos.data(), sizeof(int32_t) * n, cudaMemcpyHostToDevice));
+  }
+  return ATTNRT_OK;
 }
 
 int32_t run(attnrt_plan plan, const attnrt_tensors* t, void* stream, char* err, size_t cap) {
