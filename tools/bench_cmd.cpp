@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "attnrt/attnrt.h"
+#include "cli_common.h"
 #include "core/cpu_dispatch.h"
 
 namespace {
@@ -196,23 +197,12 @@ struct Buffer {
   DeviceBuffer dev;
 };
 
-// Random data (never zeros: they hide unwritten outputs and can run faster than real data). A
-// cheap approximately normal generator (sum of four uniforms), since GPU shapes fill gigabytes.
 void fill(Runtime& rt, const Device& d, Buffer& b, DType dt, int64_t n, std::mt19937_64& rng) {
   b.host.resize(std::max<int64_t>(n, 1) * dtype_size(dt));
-  if (dt == DType::i32) {
+  if (dt == DType::i32)
     std::memset(b.host.data(), 0, b.host.size());
-  } else {
-    uint64_t x = rng() | 1;
-    for (int64_t i = 0; i < n; ++i) {
-      float sum = 0;
-      for (int k = 0; k < 4; ++k) {
-        x ^= x << 13, x ^= x >> 7, x ^= x << 17;
-        sum += float(x >> 40) * (1.0f / 16777216.0f);
-      }
-      store_from_f32(b.host.data(), dt, i, (sum - 2.0f) * 1.7320508f);
-    }
-  }
+  else
+    attnrt_cli::fill_normal(b.host.data(), dt, n, rng());
   b.dev = rt.allocate(d, b.host.size());
   rt.copy_to_device(b.dev, b.host.data(), b.host.size());
 }
