@@ -2,9 +2,9 @@
 // host reference written here. Outputs are poisoned (NaN) before every run; repeats must be
 // bit-identical; a decode plan captured in a CUDA graph must replay correctly after update_plan
 // gives it new lengths. Without a CUDA device every test is skipped with the plugin's reason.
+// Timings: `attnrt bench --device cuda:0` (bench/cuda_side_by_side.py).
 #include <cuda_runtime.h>
 
-#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -217,12 +217,11 @@ Result compare(const Case& c, const std::vector<uint16_t>& out, const std::vecto
 }
 
 // Runs one case `reps` times (repeat check) and compares with the double reference.
-Result run_case(const Case& c, uint32_t seed, int reps = 2, double* ms_per_run = nullptr,
-                int timed = 0, bool check = true) {
+Result run_case(const Case& c, uint32_t seed, int reps = 2) {
   Result r;
   const Inputs in = make_inputs(c, seed);
   std::vector<double> ro, rl;
-  if (check) reference(c, in, &ro, &rl);
+  reference(c, in, &ro, &rl);
   const Layout lay = layout_of(c, in);
   const attnrt_layout L = lay.view(c.page);
   const attnrt_problem p = problem_of(c);
@@ -245,21 +244,9 @@ Result run_case(const Case& c, uint32_t seed, int reps = 2, double* ms_per_run =
       r.repeat_identical = false;
     }
   }
-  if (check) {
-    const bool same = r.repeat_identical;
-    r = compare(c, out, lse, ro, rl);
-    r.repeat_identical = same;
-  }
-  if (timed > 0 && ms_per_run) {
-    for (int i = 0; i < 3; ++i) g_plugin->run(plan, &db.ts, nullptr);
-    g_plugin->synchronize({1, 0});
-    auto t0 = std::chrono::steady_clock::now();
-    for (int i = 0; i < timed; ++i) g_plugin->run(plan, &db.ts, nullptr);
-    g_plugin->synchronize({1, 0});
-    *ms_per_run =
-        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count() /
-        timed;
-  }
+  const bool same = r.repeat_identical;
+  r = compare(c, out, lse, ro, rl);
+  r.repeat_identical = same;
   g_plugin->destroy_plan(plan);
   return r;
 }
@@ -422,46 +409,6 @@ TEST(CudaPlugin, DecodeGraphReplaysWithNewLengths) {
   cudaGraphDestroy(graph);
   cudaStreamDestroy(st);
   g_plugin->destroy_plan(plan);
-}
-
-// Optional timing (ATTNRT_GPU_BENCH=1): launch+kernel wall time per run after warm-up.
-TEST(CudaPlugin, Bench) {
-  REQUIRE_GPU();
-  if (!std::getenv("ATTNRT_GPU_BENCH")) GTEST_SKIP() << "set ATTNRT_GPU_BENCH=1 to time";
-  struct B {
-    const char* name;
-    int op, page, n, ql, kl;
-  };
-  const B shapes[] = {
-      {"prefill 4k x4", ATTNRT_OP_DENSE_EXTEND, 64, 4, 4096, 4096},
-      {"prefill 16k", ATTNRT_OP_DENSE_EXTEND, 64, 1, 16384, 16384},
-      {"decode 1x128k", ATTNRT_OP_DENSE_DECODE, 64, 1, 1, 131072},
-      {"decode 32x8k", ATTNRT_OP_DENSE_DECODE, 64, 32, 1, 8192},
-      {"decode 64x32k", ATTNRT_OP_DENSE_DECODE, 64, 64, 1, 32768},
-      {"decode 32x8k p128", ATTNRT_OP_DENSE_DECODE, 128, 32, 1, 8192},
-      {"decode 1x128k p128", ATTNRT_OP_DENSE_DECODE, 128, 1, 1, 131072},
-      {"decode 32x8k contig", ATTNRT_OP_DENSE_DECODE, 8192, 32, 1, 8192},
-  };
-  for (const B& s : shapes) {
-    Case c;
-    c.op = s.op;
-    c.hq = 32;
-    c.hkv = 8;
-    c.d = 128;
-    c.page = s.page;
-    c.q_len.assign(s.n, s.ql);
-    c.kv_len.assign(s.n, s.kl);
-    double ms = 0;
-    // The host reference is O(T*kv); skip its cost for big shapes by checking only decode.
-    Result r = run_case(c, 7, 1, &ms, 20, s.n == 1 && s.op == ATTNRT_OP_DENSE_DECODE);
-    const double kv_bytes = 2.0 * s.n * s.kl * c.hkv * c.d * 2;
-    const double flops = s.op == ATTNRT_OP_DENSE_EXTEND
-                             ? 4.0 * s.n * c.hq * c.d * (double)s.ql * (s.ql + 1) / 2
-                             : 4.0 * s.n * c.hq * c.d * (double)s.kl;
-    std::printf("BENCH %-20s %9.3f ms  %8.1f TFLOP/s  %7.2f TB/s(kv)  rel_o %.2e (0: not checked)\n", s.name, ms,
-                flops / ms / 1e9, kv_bytes / ms / 1e9,
-                s.n == 1 ? r.rel_o : 0.0);
-  }
 }
 
 }  // namespace
