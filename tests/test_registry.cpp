@@ -208,6 +208,29 @@ INSTANTIATE_TEST_SUITE_P(
       return info.param.fault + (info.param.canary ? "" : "_nocanary");
     });
 
+// A plugin that fails its canary is unavailable on that device for every op: one warning for a
+// whole forward pass (extend and decode), and both ops run on the cpu with correct results.
+TEST(Registry, CanaryFailureIsOneWarningForEveryOp) {
+  for (const std::string fault : {"plan_fails", "run_fails", "wrong_numbers"}) {
+    SCOPED_TRACE(fault);
+    LogCapture logs;
+    Runtime rt(options_for(fault));
+    DenseCase extend(test::fresh_seed()), decode(test::fresh_seed() + 1, Op::dense_decode);
+    for (int i = 0; i < 2; ++i) {
+      extend.run(rt);
+      decode.run(rt);
+      EXPECT_LT(extend.err(), 1e-5);
+      EXPECT_LT(decode.err(), 1e-5);
+    }
+    auto w = logs.warnings();
+    ASSERT_EQ(w.size(), 1u) << ::testing::PrintToString(w);
+    EXPECT_THAT(w[0], HasSubstr("'fault_" + fault + "' unavailable on cpu"));
+    EXPECT_EQ(rt.plan(extend.problem, extend.layout)->backend(), "cpu");
+    EXPECT_EQ(rt.plan(decode.problem, decode.layout)->backend(), "cpu");
+    EXPECT_THAT(rt.report().to_string(), HasSubstr("fault_" + fault));
+  }
+}
+
 TEST(Registry, HealthyPluginOutranksCpu) {
   LogCapture logs;
   Runtime rt(options_for("healthy"));
@@ -259,7 +282,8 @@ TEST(Registry, CanarySetupFailureMakesThePluginUnavailable) {
   EXPECT_EQ(rt.plan(c.problem, c.layout)->backend(), "fault_fake_gpu");
   auto w = logs.warnings();
   ASSERT_EQ(w.size(), 1u) << ::testing::PrintToString(w);
-  EXPECT_THAT(w[0], HasSubstr("'fault_alloc_fails' unavailable for dense_extend on cuda:0: canary failed"));
+  EXPECT_THAT(w[0], HasSubstr("'fault_alloc_fails' unavailable on cuda:0: canary failed"));
+  EXPECT_THAT(w[0], HasSubstr("canary of dense_extend"));
   EXPECT_THAT(w[0], HasSubstr("injected allocation failure"));
   EXPECT_THAT(w[0], HasSubstr("using 'fault_fake_gpu' instead"));
 

@@ -125,6 +125,9 @@ struct Runtime::Impl {
   std::mutex state_mu;
   std::map<std::tuple<std::string, int, int, int>, std::string> unavailable;  // (backend, op, dev)
   std::map<std::tuple<std::string, int, int, uint64_t>, std::string> canaries;  // result per sig
+  // A plugin that failed a canary on a device is unavailable there for every op: it computes
+  // wrong numbers or cannot run at all, whichever op showed it. (backend, device kind, index)
+  std::map<std::tuple<std::string, int, int>, std::string> canary_failed;
   std::set<std::string> warned;
   std::vector<std::string> warnings;
   std::map<OpDevKey, OpDeviceReport> stats;
@@ -135,6 +138,8 @@ struct Runtime::Impl {
   }
   std::string marked(const Backend* b, const Problem& p) {
     std::lock_guard lock(state_mu);
+    auto dev = canary_failed.find({b->name(), static_cast<int>(p.device.kind), p.device.index});
+    if (dev != canary_failed.end()) return dev->second;
     auto it = unavailable.find(health_key(b, p));
     return it == unavailable.end() ? "" : it->second;
   }
@@ -165,10 +170,12 @@ struct Runtime::Impl {
     return canaries.emplace(key, r).first->second;
   }
 
-  // One failure of a candidate during selection (plan, run or canary).
+  // One failure of a candidate during selection (plan, run or canary). A canary failure makes
+  // the backend unavailable on the whole device, and is warned about once per device.
   struct Failure {
     Backend* backend;
     std::string reason;
+    bool device_wide = false;
   };
 
   // Chooses a backend for the plan and plans on it. Caller holds the plan's exclusive lock.
@@ -199,12 +206,12 @@ struct Runtime::Impl {
       return std::any_of(failures.begin(), failures.end(), [&](const Failure& f) { return f.backend == b; });
     };
     for (Backend* b : cands) {
+      // A backend marked unavailable is a fallback only where it would serve the problem (a
+      // canary failure marks every op of the device, also ones its probe declines).
       std::string why = marked(b, p);
-      if (!why.empty() && !failed_already(b)) earlier.push_back({b, why});
-      if (why.empty()) {
-        Availability a = b->probe(p);
-        if (!a) why = a.reason;
-      }
+      const Availability a = b->probe(p);
+      if (!why.empty() && a && !failed_already(b)) earlier.push_back({b, why});
+      if (why.empty() && !a) why = a.reason;
       if (why.empty() && strict && (!failures.empty() || !earlier.empty())) {
         const Failure& f = !failures.empty() ? failures.front() : earlier.front();
         throw BackendUnavailable(f.backend->name(), op_name(p.op), p.device.str(),
@@ -214,8 +221,13 @@ struct Runtime::Impl {
       if (why.empty()) {
         std::string c = canary(b, p);
         if (!c.empty()) {
-          mark(b, p, c);
-          failures.push_back({b, c});
+          {
+            std::lock_guard lock(state_mu);
+            canary_failed.emplace(std::make_tuple(b->name(), static_cast<int>(p.device.kind),
+                                                  p.device.index),
+                                  c + " (canary of " + op_name(p.op) + ")");
+          }
+          failures.push_back({b, c, true});
           why = c;
         }
       }
@@ -240,9 +252,15 @@ struct Runtime::Impl {
                                "no backend can serve " + p.describe() + all);
     }
     for (const Failure& f : failures) {
-      warn_once(f.backend->name() + "|" + op_name(p.op) + "|" + p.device.str(),
-                "backend '" + f.backend->name() + "' unavailable for " + op_name(p.op) + " on " +
-                    p.device.str() + ": " + f.reason + "; using '" + s.backend->name() + "' instead");
+      if (f.device_wide)
+        warn_once(f.backend->name() + "|" + p.device.str(),
+                  "backend '" + f.backend->name() + "' unavailable on " + p.device.str() + ": " +
+                      f.reason + " (canary of " + op_name(p.op) + "); using '" +
+                      s.backend->name() + "' instead");
+      else
+        warn_once(f.backend->name() + "|" + op_name(p.op) + "|" + p.device.str(),
+                  "backend '" + f.backend->name() + "' unavailable for " + op_name(p.op) + " on " +
+                      p.device.str() + ": " + f.reason + "; using '" + s.backend->name() + "' instead");
     }
     std::lock_guard lock(state_mu);
     OpDeviceReport& r = stats[op_dev_key(p.op, p.device)];
