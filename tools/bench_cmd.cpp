@@ -333,10 +333,12 @@ nlohmann::json run_case(Runtime& rt, const Device& dev, const CaseSpec& c, const
                       {"runs_per_sample", per_sample}};
   // Ceilings are measured for the host only; an accelerator's are measured beside its peer
   // (bench/cuda_side_by_side.py).
-  r["roofline_ms"] = roof > 0 ? nlohmann::json(roof * 1e3) : nlohmann::json();
-  r["bound"] = roof > 0 ? nlohmann::json(flops / ceil.fma >= bytes / ceil.stream ? "compute" : "memory")
-                        : nlohmann::json();
-  r["frac_roofline"] = roof > 0 ? nlohmann::json(roof / med) : nlohmann::json();
+  r["roofline_ms"] = r["bound"] = r["frac_roofline"] = nlohmann::json();
+  if (roof > 0) {
+    r["roofline_ms"] = roof * 1e3;
+    r["bound"] = flops / ceil.fma >= bytes / ceil.stream ? "compute" : "memory";
+    r["frac_roofline"] = roof / med;
+  }
   r["frac_sgemm"] = ceil.sgemm > 0 ? nlohmann::json(flops / med / ceil.sgemm) : nlohmann::json();
   return r;
 }

@@ -251,7 +251,7 @@ void run_resolved(const RunOptions& o, const attnrt::ModelConfig& m) {
     for (int r : reqs) alloc.append(r, qn);
     const attnrt::BatchLayout layout = alloc.layout(reqs, std::vector<int32_t>(reqs.size(), qn));
     const int64_t T = layout.total_q();
-    const CheckedRows chk = checked_rows(layout, o.check ? o.check_rows : 0);
+    const CheckedRows chk = o.check ? checked_rows(layout, o.check_rows) : CheckedRows{};
     const Op dense_op = prefill ? Op::dense_extend : Op::dense_decode;
     const Op idx_op = prefill ? Op::sparse_index_extend : Op::sparse_index_decode;
     const Op att_op = prefill ? Op::sparse_attend_extend : Op::sparse_attend_decode;
