@@ -2,15 +2,17 @@
 # On the GPU machine: the GPU test suites (dense, sparse), memcheck over the dense suite, attnrt's
 # own timings, `attnrt doctor` / `attnrt run --device cuda:0 --check`, then the PyTorch side by
 # side. Logs under $OUT. Binaries come from the dev box: carry build/bin/{attnrt,attnrt_gpu_tests,
-# attnrt_gpu_sparse_tests} and build/lib/{libattnrt.so.0.1.0,libattnrt_cuda.so}.
+# attnrt_gpu_sparse_tests,attnrt_gpu_sm90_tests} and build/lib/{libattnrt.so.0.1.0,
+# libattnrt_cuda.so,libattnrt_cuda_sm90.so}.
 # Usage: scripts/device_cuda.sh [build-dir] [steps...]
-#   steps: tests sparse memcheck bench run torch m3   (default: all but m3)
+#   steps: tests sparse sm90 memcheck bench run torch m3   (default: all but m3)
 #   m3: `attnrt run --device cuda:0 --check` on minimax-m3-tp4 with a 64k prompt (the last 4
-#       query tokens of the prompt checked per layer; minutes of host reference).
+#       query tokens of the prompt checked per layer; minutes of host reference), then shorter
+#       runs with the cuda_sm90 fast path off (ATTNRT_DISABLE, and a page size it does not take).
 set -uo pipefail
 B=${1:-build}
 shift || true
-STEPS=${*:-tests sparse memcheck bench run torch}
+STEPS=${*:-tests sparse sm90 memcheck bench run torch}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 ln -sf libattnrt.so.0.1.0 "$B/lib/libattnrt.so.0"
@@ -25,6 +27,10 @@ if has sparse; then
   timeout 240 "$B/bin/attnrt_gpu_sparse_tests" --gtest_filter=-*Bench* 2>&1 |
     tee "$OUT/sparse_tests.log" | grep -vE "^\[ RUN|^\[       OK" | tail -30
 fi
+if has sm90; then
+  timeout 240 "$B/bin/attnrt_gpu_sm90_tests" --gtest_filter=-*Bench* 2>&1 |
+    tee "$OUT/sm90_tests.log" | grep -vE "^\[ RUN|^\[       OK" | tail -30
+fi
 if has memcheck && command -v compute-sanitizer >/dev/null; then
   timeout 200 compute-sanitizer --tool memcheck "$B/bin/attnrt_gpu_tests" \
     --gtest_filter='*Sweep*:*Graph*' 2>&1 | tee "$OUT/memcheck.log" | tail -4
@@ -32,6 +38,8 @@ fi
 if has bench; then
   ATTNRT_GPU_BENCH=1 timeout 150 "$B/bin/attnrt_gpu_sparse_tests" --gtest_filter=*Bench* 2>&1 |
     tee "$OUT/bench_sparse.log" | grep -E "BENCH|FAIL"
+  ATTNRT_GPU_BENCH=1 timeout 120 "$B/bin/attnrt_gpu_sm90_tests" --gtest_filter=*Bench* 2>&1 |
+    tee "$OUT/bench_sm90.log" | grep -E "BENCH|FAIL"
 fi
 if has run; then
   export ATTNRT_PLUGIN_PATH="$B/lib"
@@ -44,6 +52,14 @@ if has torch; then
 fi
 if has m3; then
   export ATTNRT_PLUGIN_PATH="$B/lib"
-  timeout 280 "$B/bin/attnrt" run --device cuda:0 --model minimax-m3-tp4 --prompt-len 65536 \
-    --decode-steps 1 --check --check-rows 4 2>&1 | grep -v "^attnrt run: " | tee "$OUT/run_m3.log" | tail -16
+  timeout ${M3_LIMIT:-400} "$B/bin/attnrt" run --device cuda:0 --model minimax-m3-tp4 \
+    --prompt-len 65536 --decode-steps 2 --check --check-rows 4 2>&1 | grep -v "^attnrt run: " |
+    tee "$OUT/run_m3.log" | tail -16
+  for off in "ATTNRT_DISABLE=cuda_sm90" "--page-size 64"; do
+    echo "== fast path off: $off"
+    if [[ $off == ATTNRT_* ]]; then e=("env" "$off"); a=(); else e=(); a=($off); fi
+    timeout 90 "${e[@]}" "$B/bin/attnrt" run --device cuda:0 --model minimax-m3-tp4 \
+      --prompt-len 8192 --decode-steps 2 --check --check-rows 4 "${a[@]}" 2>&1 |
+      grep -v "^attnrt run: " | tee -a "$OUT/run_m3_fallback.log" | tail -12
+  done
 fi

@@ -245,6 +245,7 @@ void run_resolved(const RunOptions& o, const attnrt::ModelConfig& m) {
   auto last_progress = Clock::now();
   const double tol = dt == DType::f32 ? 1e-5 : 5e-3;
 
+  std::shared_ptr<const attnrt::Plan> dec_plans[3];  // dense, index, attend decode
   for (int step = 0; step <= o.decode_steps; ++step) {
     const bool prefill = step == 0;
     const int qn = prefill ? o.prompt_len : 1;
@@ -255,7 +256,14 @@ void run_resolved(const RunOptions& o, const attnrt::ModelConfig& m) {
     const Op dense_op = prefill ? Op::dense_extend : Op::dense_decode;
     const Op idx_op = prefill ? Op::sparse_index_extend : Op::sparse_index_decode;
     const Op att_op = prefill ? Op::sparse_attend_extend : Op::sparse_attend_decode;
+    // Plans of this step, one per op for all its layers. Decode steps refresh the previous
+    // step's plans for the new lengths (update_plan: same device addresses) instead of planning.
     std::shared_ptr<const attnrt::Plan> pd, pi, pa;
+    if (!prefill) {
+      if (dec_plans[0]) pd = rt.update(dec_plans[0], layout);
+      if (dec_plans[1]) pi = rt.update(dec_plans[1], layout);
+      if (dec_plans[2]) pa = rt.update(dec_plans[2], layout);
+    }
     Buf q = make_buf(rt, dev, dt, T * Hq * D), out = make_buf(rt, dev, dt, T * Hq * D);
     Buf iq, tk;
     if (m.use_sparse) {
@@ -369,10 +377,28 @@ void run_resolved(const RunOptions& o, const attnrt::ModelConfig& m) {
         last_progress = Clock::now();
       }
     }
+    if (!prefill) {
+      dec_plans[0] = pd;
+      dec_plans[1] = pi;
+      dec_plans[2] = pa;
+    }
     phase_tokens[prefill ? 0 : 1] += T;
   }
 
   const attnrt::Report rep = rt.report();
+  // One line per op that a loaded, higher-ranked backend (a fast path) could have served but
+  // did not take, with its reason, and one per plugin switched off by ATTNRT_DISABLE. Backends
+  // that never serve the op (reason "op not served...", plugin.h) stay quiet.
+  for (const auto& r : rep.plugins)
+    if (!r.loaded && r.reason.find("ATTNRT_DISABLE") != std::string::npos)
+      std::fprintf(stderr, "attnrt: %s is off (%s)\n", r.name.c_str(), r.reason.c_str());
+  for (const auto& e : rep.ops)
+    for (const auto& sk : e.skipped)
+      if (e.device == dev && !sk.available && sk.reason.rfind("not loaded", 0) != 0 &&
+          sk.reason.rfind("op not served", 0) != 0)
+        std::fprintf(stderr, "attnrt: %s on %s runs on %s: %s skipped (%s)\n",
+                     attnrt::op_name(e.op), dev.str().c_str(), e.chosen.c_str(), sk.backend.c_str(),
+                     sk.reason.c_str());
   int64_t fallbacks = 0;
   for (const auto& e : rep.ops) fallbacks += e.fallbacks;
   if (o.json) {

@@ -124,7 +124,8 @@ typedef struct attnrt_plugin_v1 {
   int32_t (*device_count)(int32_t kind, int32_t* count);
   /* Required. Cheap, side-effect free. OK when plan and run will work for this problem on
    * problem->device; ATTNRT_UNAVAILABLE otherwise, with the reason in last_error
-   * (e.g. "head_dim 96 not supported (64, 128, 256)"). */
+   * (e.g. "head_dim 96 not supported (64, 128, 256)"). For an op the plugin never serves, the
+   * reason starts with "op not served" (tools list such skips quietly). */
   int32_t (*probe)(const attnrt_problem* problem);
   /* Required. Builds a plan for this problem and layout. May allocate and do host work. */
   int32_t (*plan)(const attnrt_problem* problem, const attnrt_layout* layout, attnrt_plan* out);

@@ -2,6 +2,7 @@
 // host does), skips every test with the plugin's own reason when no device is usable, and gives
 // device buffers, tensor descriptors and 16-bit float conversions (round to nearest even).
 // The plugin is found via ATTNRT_CUDA_PLUGIN (full path) or ../lib/<file> beside the binary.
+// open_plugin() loads a second plugin the same way (a binary comparing two of them).
 #pragma once
 
 #include <attnrt/plugin.h>
@@ -21,12 +22,44 @@ namespace gpu_test {
 inline const attnrt_plugin_v1* g_plugin = nullptr;
 inline std::string g_skip;
 
-inline std::string plugin_path() {
-  if (const char* e = std::getenv("ATTNRT_CUDA_PLUGIN")) return e;
+// Path of a plugin file: ../lib/<file> beside this binary.
+inline std::string plugin_file_path(const std::string& file) {
   char buf[4096];
   ssize_t n = readlink("/proc/self/exe", buf, sizeof buf - 1);
   std::string exe = n > 0 ? std::string(buf, n) : std::string("./x");
-  return exe.substr(0, exe.rfind('/')) + "/../lib/" ATTNRT_CUDA_PLUGIN_FILE;
+  return exe.substr(0, exe.rfind('/')) + "/../lib/" + file;
+}
+
+inline std::string plugin_path() {
+  if (const char* e = std::getenv("ATTNRT_CUDA_PLUGIN")) return e;
+  return plugin_file_path(ATTNRT_CUDA_PLUGIN_FILE);
+}
+
+// Loads and initialises a plugin whose devices include a CUDA device; nullptr (reason in *why)
+// otherwise.
+inline const attnrt_plugin_v1* open_plugin(const std::string& path, std::string* why) {
+  void* h = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+  if (!h) {
+    *why = std::string("cannot load ") + path + ": " + dlerror();
+    return nullptr;
+  }
+  auto get = reinterpret_cast<attnrt_plugin_get_fn>(dlsym(h, ATTNRT_PLUGIN_ENTRY_SYMBOL));
+  if (!get) {
+    *why = "no entry symbol in " + path;
+    return nullptr;
+  }
+  const attnrt_plugin_v1* p = get();
+  if (p->init() != ATTNRT_OK) {
+    *why = std::string(p->name) + " plugin unavailable: " + p->last_error();
+    return nullptr;
+  }
+  int32_t count = 0;
+  p->device_count(ATTNRT_DEVICE_CUDA, &count);
+  if (count == 0) {
+    *why = "no CUDA device";
+    return nullptr;
+  }
+  return p;
 }
 
 // The initialised plugin when a CUDA device is usable; nullptr (reason in g_skip) otherwise.
@@ -34,30 +67,8 @@ inline const attnrt_plugin_v1* plugin() {
   static bool done = false;
   if (done) return g_plugin;
   done = true;
-  const std::string path = plugin_path();
-  void* h = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
-  if (!h) {
-    g_skip = std::string("cannot load ") + path + ": " + dlerror();
-    return nullptr;
-  }
-  auto get = reinterpret_cast<attnrt_plugin_get_fn>(dlsym(h, ATTNRT_PLUGIN_ENTRY_SYMBOL));
-  if (!get) {
-    g_skip = "no entry symbol";
-    return nullptr;
-  }
-  const attnrt_plugin_v1* p = get();
-  if (p->init() != ATTNRT_OK) {
-    g_skip = std::string("cuda plugin unavailable: ") + p->last_error();
-    return nullptr;
-  }
-  int32_t count = 0;
-  p->device_count(ATTNRT_DEVICE_CUDA, &count);
-  if (count == 0) {
-    g_skip = "no CUDA device";
-    return nullptr;
-  }
-  g_plugin = p;
-  return p;
+  g_plugin = open_plugin(plugin_path(), &g_skip);
+  return g_plugin;
 }
 
 #define REQUIRE_GPU()                                          \

@@ -13,7 +13,6 @@
 // -> 1e29 (local overrides init), then an exact 4-pass 8-bit radix select of the K_eff-th largest
 // score; ties at the threshold go to the lowest block ids (as the reference's stable sort), and
 // the selection is compacted by a block scan, so ids come out ascending and unique, -1 padded.
-#include <cub/block/block_scan.cuh>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -22,6 +21,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "cuda_common/block_topk.cuh"
 #include "sparse_kernels.h"
 
 namespace attnrt_cuda_sparse {
@@ -158,19 +158,11 @@ __global__ void __launch_bounds__(kThreads) index_score_kernel(IndexArgs a) {
   }
 }
 
-__device__ __forceinline__ uint32_t ordered_key(float f) {
-  const uint32_t u = __float_as_uint(f);
-  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-}
-
 constexpr int kTopkThreads = 256;
+using TopK = attnrt_cuda_common::BlockTopK<kTopkThreads>;
 
 __global__ void __launch_bounds__(kTopkThreads) index_topk_kernel(IndexArgs a) {
-  using Scan = cub::BlockScan<int, kTopkThreads>;
-  __shared__ typename Scan::TempStorage scan_tmp;
-  __shared__ uint32_t hist[256];
-  __shared__ uint32_t s_prefix, s_mask;
-  __shared__ int s_remaining;
+  __shared__ typename TopK::Storage storage;
   const int64_t t = blockIdx.x / a.H;
   const int h = blockIdx.x % a.H;
   const int tid = threadIdx.x;
@@ -194,79 +186,9 @@ __global__ void __launch_bounds__(kTopkThreads) index_topk_kernel(IndexArgs a) {
     if (v != v) v = -1e30f;
     if (c < init_b) v = 1e30f;
     if (c >= local_from) v = 1e29f;
-    return ordered_key(v);
+    return attnrt_cuda_common::ordered_key(v);
   };
-  if (tid == 0) {
-    s_prefix = 0;
-    s_mask = 0;
-    s_remaining = keff;
-  }
-  for (int shift = 24; shift >= 0; shift -= 8) {
-    for (int i = tid; i < 256; i += kTopkThreads) hist[i] = 0;
-    __syncthreads();
-    const uint32_t prefix = s_prefix, mask = s_mask;
-    for (int c = tid; c < nvis; c += kTopkThreads) {
-      const uint32_t u = key(c);
-      if ((u & mask) == prefix) atomicAdd(&hist[(u >> shift) & 255u], 1u);
-    }
-    __syncthreads();
-    if (tid < 32) {
-      // Lane l owns bins 255-8l .. 248-8l (descending); find the bin holding the remaining-th
-      // largest key.
-      const int lane = tid;
-      int cnt[8], sum = 0;
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        cnt[i] = static_cast<int>(hist[255 - 8 * lane - i]);
-        sum += cnt[i];
-      }
-      int incl = sum;
-#pragma unroll
-      for (int o = 1; o < 32; o <<= 1) {
-        const int y = __shfl_up_sync(0xffffffffu, incl, o);
-        if (lane >= o) incl += y;
-      }
-      const int excl = incl - sum;
-      const int rem = s_remaining;
-      const unsigned ballot = __ballot_sync(0xffffffffu, incl >= rem);
-      const int first = __ffs(ballot) - 1;
-      if (lane == first) {
-        int above = excl;
-        int bin = 255 - 8 * lane;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          if (above + cnt[i] >= rem) {
-            bin = 255 - 8 * lane - i;
-            break;
-          }
-          above += cnt[i];
-        }
-        s_prefix = prefix | (static_cast<uint32_t>(bin) << shift);
-        s_mask = mask | (255u << shift);
-        s_remaining = rem - above;
-      }
-    }
-    __syncthreads();
-  }
-  const uint32_t thr = s_prefix;
-  const int take_eq = s_remaining;
-  int eq_seen = 0, written = 0;
-  for (int base = 0; base < nvis; base += kTopkThreads) {
-    const int c = base + tid;
-    const uint32_t u = c < nvis ? key(c) : 0u;
-    const int gt = c < nvis && u > thr;
-    const int eq = c < nvis && u == thr;
-    int eq_rank, eq_total;
-    Scan(scan_tmp).ExclusiveSum(eq, eq_rank, eq_total);
-    __syncthreads();
-    const int sel = gt || (eq && eq_seen + eq_rank < take_eq);
-    int at, sel_total;
-    Scan(scan_tmp).ExclusiveSum(sel, at, sel_total);
-    __syncthreads();
-    if (sel && written + at < keff) out[(written + at) * a.t_s2] = c;
-    eq_seen += eq_total;
-    written += sel_total;
-  }
+  TopK::select(storage, nvis, keff, key, [&](int i, int c) { out[i * a.t_s2] = c; });
 }
 
 template <typename T, int D>

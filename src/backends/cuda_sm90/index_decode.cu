@@ -1,0 +1,218 @@
+// Fused decode indexer for the cuda_sm90 plugin (see index_decode.h).
+//
+// One launch does the whole op. Grid: ctas_per_request CTAs per request, each scoring a range of
+// blocks_per_cta blocks. A block is one page, 32 KB contiguous, so a single Hopper bulk copy
+// (cp.async.bulk, completion counted by an mbarrier) brings it into shared memory; two stages
+// keep the next page in flight while the 4 warps score the current one (8 threads per key row,
+// 16 dims each, shuffle-reduced; the block's max over keys j < kv_len). The last CTA of a request
+// to finish (an atomic counter, reset by that CTA so a captured graph replays) loads the
+// request's block scores into shared memory and selects the top-16 there (exact radix select,
+// ties to the lowest ids, forced init/local blocks, NaN -> -1e30, ascending, -1 padded).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include <attnrt/plugin.h>
+
+#include "cuda_common/block_topk.cuh"
+#include "index_decode.h"
+
+namespace attnrt_cuda_sm90 {
+namespace {
+
+constexpr int kThreads = 128;
+constexpr int kStages = 2;
+constexpr int kPageBytes = kBlock * kDim * 2;
+static_assert(kStages * kPageBytes >= kMaxBlocks * 4, "the last CTA's scores reuse the stages");
+using TopK = attnrt_cuda_common::BlockTopK<kThreads>;
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void bar_init(uint64_t* bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void bar_init_fence() {
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+__device__ __forceinline__ void bar_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)),
+               "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void bar_wait(uint64_t* bar, uint32_t parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred done;\n"
+      "WAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT;\n"
+      "}\n" ::"r"(smem_addr(bar)),
+      "r"(parity)
+      : "memory");
+}
+// Global -> shared bulk copy (the Hopper copy engine); `bytes` a multiple of 16, both 16-aligned.
+__device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+          smem_addr(dst)),
+      "l"(src), "r"(bytes), "r"(smem_addr(bar))
+      : "memory");
+}
+
+__device__ __forceinline__ float2 to_float2(uint32_t x, __nv_bfloat16) {
+  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&x));
+}
+__device__ __forceinline__ float2 to_float2(uint32_t x, __half) {
+  return __half22float2(*reinterpret_cast<const __half2*>(&x));
+}
+
+// Dot product of 8 16-bit values with 8 floats.
+template <typename T>
+__device__ __forceinline__ float dot8(uint4 v, const float* q) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+  float acc = 0.f;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = to_float2(w[i], T{});
+    acc = fmaf(f.x, q[2 * i], acc);
+    acc = fmaf(f.y, q[2 * i + 1], acc);
+  }
+  return acc;
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) index_decode_kernel(IndexDecodeArgs a) {
+  extern __shared__ __align__(128) unsigned char stages[];
+  __shared__ __align__(8) uint64_t bars[kStages];
+  __shared__ float red[2][kThreads / 32];
+  __shared__ typename TopK::Storage topk_storage;
+  __shared__ int s_last;
+
+  const int b = blockIdx.x / a.ctas_per_request;
+  const int part = blockIdx.x % a.ctas_per_request;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int kv = a.kv_len[b];
+  const int nblk = (kv + kBlock - 1) / kBlock;
+  const int c0 = part * a.blocks_per_cta;
+  const int c1 = min(c0 + a.blocks_per_cta, nblk);
+  const int32_t* pages = a.page_ids + a.page_indptr[b];
+  const T* kc = static_cast<const T*>(a.kc);
+
+  if (tid == 0) {
+    for (int s = 0; s < kStages; ++s) bar_init(&bars[s], 1);
+    bar_init_fence();
+  }
+  __syncthreads();
+  if (tid == 0)
+    for (int s = 0; s < kStages && c0 + s < c1; ++s) {
+      bar_expect_tx(&bars[s], kPageBytes);
+      bulk_load(stages + s * kPageBytes, kc + static_cast<int64_t>(pages[c0 + s]) * a.k_s0,
+                kPageBytes, &bars[s]);
+    }
+
+  // This thread's 16 query dims: [8*sub, 8*sub+8) and [64+8*sub, 64+8*sub+8).
+  const int sub = tid & 7;
+  float q[16];
+  {
+    const uint4* qrow = reinterpret_cast<const uint4*>(static_cast<const T*>(a.q) +
+                                                       static_cast<int64_t>(b) * a.q_s0);
+    const uint4 lo = qrow[sub], hi = qrow[8 + sub];
+    const uint32_t w[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const float2 f = to_float2(w[i], T{});
+      q[2 * i] = f.x;
+      q[2 * i + 1] = f.y;
+    }
+  }
+
+  for (int c = c0; c < c1; ++c) {
+    const int i = c - c0, s = i % kStages;
+    bar_wait(&bars[s], (i / kStages) & 1);
+    const unsigned char* page = stages + s * kPageBytes;
+    float m = -INFINITY;
+#pragma unroll 4
+    for (int it = 0; it < kBlock / 16; ++it) {
+      const int tok = it * 16 + (tid >> 3);
+      const uint4* row = reinterpret_cast<const uint4*>(page + tok * kDim * 2);
+      float d = dot8<T>(row[sub], q) + dot8<T>(row[8 + sub], q + 8);
+      d += __shfl_xor_sync(0xffffffffu, d, 1);
+      d += __shfl_xor_sync(0xffffffffu, d, 2);
+      d += __shfl_xor_sync(0xffffffffu, d, 4);
+      if (c * kBlock + tok < kv) m = fmaxf(m, d);
+    }
+    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 8));
+    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 16));
+    if (lane == 0) red[i & 1][warp] = m;
+    __syncthreads();  // stage s fully read, red[i & 1] complete
+    if (tid == 0) {
+      if (c + kStages < c1) {
+        bar_expect_tx(&bars[s], kPageBytes);
+        bulk_load(stages + s * kPageBytes, kc + static_cast<int64_t>(pages[c + kStages]) * a.k_s0,
+                  kPageBytes, &bars[s]);
+      }
+      float bm = red[i & 1][0];
+#pragma unroll
+      for (int w = 1; w < kThreads / 32; ++w) bm = fmaxf(bm, red[i & 1][w]);
+      a.scores[static_cast<int64_t>(b) * a.block_capacity + c] = bm * a.scale;
+    }
+  }
+
+  // The last CTA of the request to finish selects its top-k.
+  if (tid == 0) {
+    __threadfence();
+    s_last = atomicAdd(&a.counters[b], 1) == a.ctas_per_request - 1;
+  }
+  __syncthreads();
+  if (!s_last) return;
+  __threadfence();
+  if (tid == 0) a.counters[b] = 0;  // ready for the next launch (graph replay)
+  const int nvis = nblk;            // decode: the query sits at kv_len - 1
+  const int keff = min(kTopK, nvis);
+  int32_t* out = a.topk + static_cast<int64_t>(b) * a.t_s1;
+  for (int k = keff + tid; k < kTopK; k += kThreads) out[k * a.t_s2] = -1;
+  if (nvis <= kTopK) {
+    for (int k = tid; k < nvis; k += kThreads) out[k * a.t_s2] = k;
+    return;
+  }
+  float* sc = reinterpret_cast<float*>(stages);  // every bulk copy of this CTA has completed
+  const float* src = a.scores + static_cast<int64_t>(b) * a.block_capacity;
+  for (int c = tid; c < nvis; c += kThreads) sc[c] = __ldcg(src + c);
+  __syncthreads();
+  const int init_b = a.init_blocks, local_from = nvis - a.local_blocks;
+  auto key = [&](int c) {
+    float v = sc[c];
+    if (v != v) v = -1e30f;
+    if (c < init_b) v = 1e30f;
+    if (c >= local_from) v = 1e29f;
+    return attnrt_cuda_common::ordered_key(v);
+  };
+  TopK::select(topk_storage, nvis, keff, key, [&](int k, int c) { out[k * a.t_s2] = c; });
+}
+
+template <typename T>
+cudaError_t launch_t(const IndexDecodeArgs& a, cudaStream_t st) {
+  const int smem = kStages * kPageBytes;
+  if (cudaError_t e = cudaFuncSetAttribute(index_decode_kernel<T>,
+                                           cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+      e != cudaSuccess)
+    return e;
+  const int64_t grid = static_cast<int64_t>(a.n) * a.ctas_per_request;
+  if (grid > 0) index_decode_kernel<T><<<static_cast<unsigned>(grid), kThreads, smem, st>>>(a);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+int index_decode_smem_bytes() { return kStages * kPageBytes; }
+
+int launch_index_decode(const IndexDecodeArgs& a, int dtype, void* stream) {
+  cudaStream_t st = static_cast<cudaStream_t>(stream);
+  return dtype == ATTNRT_BF16 ? launch_t<__nv_bfloat16>(a, st) : launch_t<__half>(a, st);
+}
+
+}  // namespace attnrt_cuda_sm90

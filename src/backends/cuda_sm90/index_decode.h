@@ -1,0 +1,35 @@
+// Fused MiniMax indexer for decode on Hopper (sm_90): the one kernel of the cuda_sm90 plugin.
+// Production shape only: one index head, index_dim 128, block = page = 128 tokens, top-16,
+// score max (sm90_plugin.cu's probe enforces it).
+#pragma once
+
+#include <cstdint>
+
+namespace attnrt_cuda_sm90 {
+
+constexpr int kBlock = 128;     // tokens per block = per page
+constexpr int kDim = 128;       // index_dim
+constexpr int kTopK = 16;
+constexpr int kMaxBlocks = 16384;  // per request (2M tokens): the last CTA's scores fit in smem
+
+struct IndexDecodeArgs {
+  const void* q;           // index_q [n, 1, 128]
+  const void* kc;          // index_k_cache [pages, 128, 1, 128], each page contiguous
+  int64_t q_s0, k_s0;      // element strides of a q row and of a page
+  const int32_t* kv_len;   // [n]
+  const int32_t* page_indptr;
+  const int32_t* page_ids;
+  float* scores;           // [n, block_capacity]
+  int32_t* counters;       // [n], zero between launches
+  int32_t* topk;           // [1, n, 16] with strides t_s1, t_s2
+  int64_t t_s1, t_s2;
+  int n, block_capacity, blocks_per_cta, ctas_per_request, init_blocks, local_blocks;
+  float scale;             // index_scale
+};
+
+// Launches on `stream`; returns a cudaError_t as int. dtype: ATTNRT_BF16 or ATTNRT_F16.
+int launch_index_decode(const IndexDecodeArgs& a, int dtype, void* stream);
+// Dynamic shared memory of one CTA (the plan checks it against the device's opt-in limit).
+int index_decode_smem_bytes();
+
+}  // namespace attnrt_cuda_sm90

@@ -1,0 +1,390 @@
+// attnrt Hopper fast-path plugin (libattnrt_cuda_sm90.so, backend "cuda_sm90"). Includes only
+// the plugin C ABI.
+//
+// It serves one op, sparse_index_decode, at MiniMax-M3's production shape (one index head,
+// index_dim 128, block = page = 128, top-16, score max, bf16/f16) on compute capability 9.x,
+// with a single fused kernel (index_decode.cu): bulk-copy page loads, block scores and the
+// top-k selection in one launch. Anything else its probe refuses by name, and the generic
+// "cuda" plugin (priority 200) serves it. Priority 300: tried before the generic plugin.
+//
+// Contract notes: cudart is linked statically (loads without a driver; init() then reports why);
+// device properties are read once in init(); plan() allocates every device buffer the op needs
+// (metadata, scores, counters) with room for decode growth; run() only launches; update_plan
+// refreshes lengths and page ids in place for CUDA-graph replay.
+#include <attnrt/plugin.h>
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdarg>
+#include <cstdio>
+#include <new>
+#include <string>
+#include <vector>
+
+#include "index_decode.h"
+
+namespace {
+
+using attnrt_cuda_sm90::kBlock;
+using attnrt_cuda_sm90::kDim;
+using attnrt_cuda_sm90::kMaxBlocks;
+using attnrt_cuda_sm90::kTopK;
+
+thread_local char g_error[512] = "";
+
+int32_t fail(int32_t status, const char* fmt, ...) __attribute__((format(printf, 2, 3)));
+int32_t fail(int32_t status, const char* fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  std::vsnprintf(g_error, sizeof g_error, fmt, ap);
+  va_end(ap);
+  return status;
+}
+
+#define CK(call)                                                                          \
+  do {                                                                                    \
+    cudaError_t e_ = (call);                                                              \
+    if (e_ != cudaSuccess)                                                                \
+      return fail(ATTNRT_INTERNAL, "%s: %s (%s)", #call, cudaGetErrorName(e_),            \
+                  cudaGetErrorString(e_));                                                \
+  } while (0)
+
+struct DeviceInfo {
+  int major = 0, minor = 0, sms = 0;
+  char name[256] = "";
+};
+
+bool g_init_done = false;
+int32_t g_init_status = ATTNRT_UNAVAILABLE;
+char g_init_error[512] = "";
+std::vector<DeviceInfo> g_devices;
+
+int32_t check_device(attnrt_device d) {
+  if (d.kind != ATTNRT_DEVICE_CUDA)
+    return fail(ATTNRT_UNAVAILABLE, "cuda_sm90 serves cuda devices only");
+  if (g_init_status != ATTNRT_OK) return fail(ATTNRT_UNAVAILABLE, "%s", g_init_error);
+  if (d.index < 0 || d.index >= static_cast<int>(g_devices.size()))
+    return fail(ATTNRT_UNAVAILABLE, "cuda:%d does not exist (%zu CUDA devices)", d.index,
+                g_devices.size());
+  return ATTNRT_OK;
+}
+
+// The decode plan: device copies of the layout (with room to grow), the score matrix and the
+// per-request completion counters of the fused kernel.
+struct Sm90Plan {
+  attnrt_problem problem{};
+  int n = 0;
+  int page_capacity = 0, block_capacity = 0;
+  int blocks_per_cta = 2, ctas_per_request = 1;
+  int32_t *d_kv_len = nullptr, *d_page_indptr = nullptr, *d_page_ids = nullptr;
+  int32_t* d_counters = nullptr;
+  float* d_scores = nullptr;
+};
+
+void free_plan(Sm90Plan* p) {
+  if (!p) return;
+  void* bufs[] = {p->d_kv_len, p->d_page_indptr, p->d_page_ids, p->d_counters, p->d_scores};
+  for (void* b : bufs) cudaFree(b);
+  delete p;
+}
+
+// ---------------------------------------------------------------------------------------------
+
+int32_t p_init() {
+  if (g_init_done) {
+    if (g_init_status != ATTNRT_OK) std::snprintf(g_error, sizeof g_error, "%s", g_init_error);
+    return g_init_status;
+  }
+  g_init_done = true;
+  int count = 0;
+  cudaError_t e = cudaGetDeviceCount(&count);
+  if (e != cudaSuccess || count == 0) {
+    if (e == cudaErrorNoDevice || (e == cudaSuccess && count == 0))
+      std::snprintf(g_init_error, sizeof g_init_error, "no CUDA device");
+    else
+      std::snprintf(g_init_error, sizeof g_init_error, "no CUDA driver: %s (%s)",
+                    cudaGetErrorName(e), cudaGetErrorString(e));
+    g_init_status = ATTNRT_UNAVAILABLE;
+    std::snprintf(g_error, sizeof g_error, "%s", g_init_error);
+    return g_init_status;
+  }
+  g_devices.resize(count);
+  for (int i = 0; i < count; ++i) {
+    cudaDeviceProp prop{};
+    e = cudaGetDeviceProperties(&prop, i);
+    if (e != cudaSuccess) {
+      std::snprintf(g_init_error, sizeof g_init_error, "cudaGetDeviceProperties(%d): %s", i,
+                    cudaGetErrorString(e));
+      g_init_status = ATTNRT_UNAVAILABLE;
+      std::snprintf(g_error, sizeof g_error, "%s", g_init_error);
+      return g_init_status;
+    }
+    g_devices[i].major = prop.major;
+    g_devices[i].minor = prop.minor;
+    g_devices[i].sms = prop.multiProcessorCount;
+    std::snprintf(g_devices[i].name, sizeof g_devices[i].name, "%s", prop.name);
+  }
+  g_init_status = ATTNRT_OK;
+  return ATTNRT_OK;
+}
+
+int32_t p_device_count(int32_t kind, int32_t* count) {
+  *count = (kind == ATTNRT_DEVICE_CUDA && g_init_status == ATTNRT_OK)
+               ? static_cast<int32_t>(g_devices.size())
+               : 0;
+  return ATTNRT_OK;
+}
+
+// Every unmet requirement of the fast path, by name, separated by "; ".
+int32_t p_probe(const attnrt_problem* p) {
+  if (int32_t s = check_device(p->device); s != ATTNRT_OK) return s;
+  const DeviceInfo& dev = g_devices[p->device.index];
+  std::string why;
+  char buf[160];
+  auto need = [&](bool ok, const char* fmt, auto... args) {
+    if (ok) return;
+    std::snprintf(buf, sizeof buf, fmt, args...);
+    if (!why.empty()) why += "; ";
+    why += buf;
+  };
+  static const char* const kOps[] = {"dense_extend",         "dense_decode",
+                                     "sparse_index_extend",  "sparse_index_decode",
+                                     "sparse_attend_extend", "sparse_attend_decode"};
+  if (p->op != ATTNRT_OP_SPARSE_INDEX_DECODE)  // the plugin.h wording for an op never served
+    return fail(ATTNRT_UNAVAILABLE, "op not served: cuda_sm90 serves sparse_index_decode, not %s",
+                p->op >= 0 && p->op < 6 ? kOps[p->op] : "an unknown op");
+  need(dev.major == 9, "compute capability %d.%d (needs 9.x: Hopper bulk copies)", dev.major,
+       dev.minor);
+  need(p->q_dtype == ATTNRT_BF16 || p->q_dtype == ATTNRT_F16, "q dtype %d (needs bf16 or f16)",
+       p->q_dtype);
+  need(p->kv_dtype == p->q_dtype, "kv dtype %d (needs the q dtype %d)", p->kv_dtype, p->q_dtype);
+  need(p->page_size == kBlock, "page_size %d (needs %d)", p->page_size, kBlock);
+  need(p->block_size == kBlock, "block_size %d (needs %d)", p->block_size, kBlock);
+  need(p->index_dim == kDim, "index_dim %d (needs %d)", p->index_dim, kDim);
+  need(p->num_index_heads == 1, "num_index_heads %d (needs 1)", p->num_index_heads);
+  need(p->topk == kTopK, "topk %d (needs %d)", p->topk, kTopK);
+  need(p->score_type == 0, "score_type %d (needs 0, max)", p->score_type);
+  if (!why.empty()) return fail(ATTNRT_UNAVAILABLE, "%s", why.c_str());
+  return ATTNRT_OK;
+}
+
+template <typename T>
+int32_t upload(T** dst, const T* src, size_t count, size_t capacity) {
+  CK(cudaMalloc(reinterpret_cast<void**>(dst), sizeof(T) * std::max<size_t>({count, capacity, 1})));
+  if (count > 0) CK(cudaMemcpy(*dst, src, sizeof(T) * count, cudaMemcpyHostToDevice));
+  return ATTNRT_OK;
+}
+
+// Checks a layout against the plan's room; OK when it fits.
+int32_t check_layout(const attnrt_layout* L, int block_capacity, int page_capacity) {
+  const int n = L->num_requests;
+  for (int b = 0; b < n; ++b) {
+    if (L->q_len[b] != 1 || L->q_indptr[b] != b)
+      return fail(ATTNRT_UNAVAILABLE, "request %d is not a decode row (q_len %d)", b, L->q_len[b]);
+    const int blocks = (L->kv_len[b] + kBlock - 1) / kBlock;
+    if (blocks > block_capacity)
+      return fail(ATTNRT_UNAVAILABLE, "request %d has %d blocks, room for %d", b, blocks,
+                  block_capacity);
+  }
+  if (L->page_indptr[n] > page_capacity)
+    return fail(ATTNRT_UNAVAILABLE, "%d pages exceed the plan's capacity %d", L->page_indptr[n],
+                page_capacity);
+  return ATTNRT_OK;
+}
+
+int32_t plan_impl(const attnrt_problem* p, const attnrt_layout* L, Sm90Plan* pl) {
+  const int n = L->num_requests;
+  pl->problem = *p;
+  pl->n = n;
+  int max_blk = 1;
+  for (int b = 0; b < n; ++b) max_blk = std::max(max_blk, (L->kv_len[b] + kBlock - 1) / kBlock);
+  // Room for 16 more blocks than the longest request, so update_plan absorbs later steps.
+  pl->block_capacity = max_blk + 16;
+  if (pl->block_capacity > kMaxBlocks)
+    return fail(ATTNRT_UNAVAILABLE, "a context of %d blocks exceeds the fast path's %d",
+                max_blk, kMaxBlocks - 16);
+  const int total_pages = L->page_indptr[n];
+  pl->page_capacity = std::max(2 * total_pages, total_pages + 16 * n);
+  if (int32_t s = check_layout(L, pl->block_capacity, pl->page_capacity); s != ATTNRT_OK) return s;
+  // Work split: as many blocks per CTA as makes one wave of resident CTAs (3 per SM by shared
+  // memory) cover the batch, at least 2 (both stages in flight) and at most 8 (short tails).
+  const int slots = 3 * g_devices[p->device.index].sms;
+  const int per_request = std::max(1, slots / std::max(n, 1));
+  pl->blocks_per_cta = std::clamp((pl->block_capacity + per_request - 1) / per_request, 2, 8);
+  pl->ctas_per_request = (pl->block_capacity + pl->blocks_per_cta - 1) / pl->blocks_per_cta;
+  CK(cudaSetDevice(p->device.index));
+  if (upload(&pl->d_kv_len, L->kv_len, n, 0) ||
+      upload(&pl->d_page_indptr, L->page_indptr, n + 1, 0) ||
+      upload(&pl->d_page_ids, L->page_ids, total_pages, pl->page_capacity))
+    return ATTNRT_INTERNAL;
+  CK(cudaMalloc(reinterpret_cast<void**>(&pl->d_counters), sizeof(int32_t) * std::max(n, 1)));
+  CK(cudaMemset(pl->d_counters, 0, sizeof(int32_t) * std::max(n, 1)));
+  CK(cudaMalloc(reinterpret_cast<void**>(&pl->d_scores),
+                sizeof(float) * std::max<size_t>(1, static_cast<size_t>(n) * pl->block_capacity)));
+  return ATTNRT_OK;
+}
+
+int32_t p_plan(const attnrt_problem* p, const attnrt_layout* L, attnrt_plan* out) {
+  try {
+    if (int32_t s = p_probe(p); s != ATTNRT_OK) return s;
+    Sm90Plan* pl = new (std::nothrow) Sm90Plan{};
+    if (!pl) return fail(ATTNRT_INTERNAL, "out of host memory");
+    if (int32_t s = plan_impl(p, L, pl); s != ATTNRT_OK) {
+      free_plan(pl);
+      return s;
+    }
+    *out = reinterpret_cast<attnrt_plan>(pl);
+    return ATTNRT_OK;
+  } catch (...) {
+    return fail(ATTNRT_INTERNAL, "exception in cuda_sm90 plan");
+  }
+}
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+int32_t p_run(attnrt_plan plan, const attnrt_tensors* t, void* stream) {
+  try {
+    if (!plan) return fail(ATTNRT_INVALID, "null plan");
+    const Sm90Plan& pl = *reinterpret_cast<const Sm90Plan*>(plan);
+    const attnrt_problem& p = pl.problem;
+    const attnrt_tensor &iq = t->index_q, &ik = t->index_k_cache, &tk = t->topk;
+    if (!iq.data || iq.rank != 3 || !ik.data || ik.rank != 4 || !tk.data || tk.rank != 3)
+      return fail(ATTNRT_INVALID, "index_q (rank 3), index_k_cache (rank 4), topk (rank 3) required");
+    // A page must be one contiguous 32 KB run (one bulk copy), rows 16-byte aligned.
+    if (ik.strides[3] != 1 || ik.strides[2] != kDim || ik.strides[1] != kDim ||
+        ik.strides[0] % 8 != 0 || !aligned16(ik.data))
+      return fail(ATTNRT_UNAVAILABLE,
+                  "cuda_sm90 needs each index_k_cache page contiguous and 16-byte aligned "
+                  "(strides [k, 128, 128, 1], k a multiple of 8); got [%lld, %lld, %lld, %lld]",
+                  static_cast<long long>(ik.strides[0]), static_cast<long long>(ik.strides[1]),
+                  static_cast<long long>(ik.strides[2]), static_cast<long long>(ik.strides[3]));
+    if (iq.strides[2] != 1 || iq.strides[0] % 8 != 0 || !aligned16(iq.data))
+      return fail(ATTNRT_UNAVAILABLE, "cuda_sm90 needs 16-byte aligned index_q rows");
+    CK(cudaSetDevice(p.device.index));
+    attnrt_cuda_sm90::IndexDecodeArgs a{};
+    a.q = iq.data;
+    a.kc = ik.data;
+    a.q_s0 = iq.strides[0];
+    a.k_s0 = ik.strides[0];
+    a.kv_len = pl.d_kv_len;
+    a.page_indptr = pl.d_page_indptr;
+    a.page_ids = pl.d_page_ids;
+    a.scores = pl.d_scores;
+    a.counters = pl.d_counters;
+    a.topk = static_cast<int32_t*>(tk.data);
+    a.t_s1 = tk.strides[1];
+    a.t_s2 = tk.strides[2];
+    a.n = pl.n;
+    a.block_capacity = pl.block_capacity;
+    a.blocks_per_cta = pl.blocks_per_cta;
+    a.ctas_per_request = pl.ctas_per_request;
+    a.init_blocks = p.init_blocks;
+    a.local_blocks = p.local_blocks;
+    a.scale = p.index_scale;
+    CK(static_cast<cudaError_t>(attnrt_cuda_sm90::launch_index_decode(a, p.q_dtype, stream)));
+    return ATTNRT_OK;
+  } catch (...) {
+    return fail(ATTNRT_INTERNAL, "exception in cuda_sm90 run");
+  }
+}
+
+void p_destroy_plan(attnrt_plan plan) { free_plan(reinterpret_cast<Sm90Plan*>(plan)); }
+
+int32_t p_update_plan(attnrt_plan plan, const attnrt_layout* L) {
+  try {
+    if (!plan) return fail(ATTNRT_INVALID, "null plan");
+    Sm90Plan* pl = reinterpret_cast<Sm90Plan*>(plan);
+    const int n = L->num_requests;
+    if (n != pl->n) return fail(ATTNRT_UNAVAILABLE, "update_plan: %d requests, plan has %d", n, pl->n);
+    if (int32_t s = check_layout(L, pl->block_capacity, pl->page_capacity); s != ATTNRT_OK)
+      return s;
+    CK(cudaSetDevice(pl->problem.device.index));
+    CK(cudaMemcpy(pl->d_kv_len, L->kv_len, sizeof(int32_t) * n, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(pl->d_page_indptr, L->page_indptr, sizeof(int32_t) * (n + 1),
+                  cudaMemcpyHostToDevice));
+    if (L->page_indptr[n] > 0)
+      CK(cudaMemcpy(pl->d_page_ids, L->page_ids, sizeof(int32_t) * L->page_indptr[n],
+                    cudaMemcpyHostToDevice));
+    return ATTNRT_OK;
+  } catch (...) {
+    return fail(ATTNRT_INTERNAL, "exception in cuda_sm90 update_plan");
+  }
+}
+
+const char* p_last_error() { return g_error; }
+
+int32_t p_preferred_page_size(attnrt_device d, int32_t* ps) {
+  if (int32_t s = check_device(d); s != ATTNRT_OK) return s;
+  // Page = block = 128 is what the fast path takes; elsewhere it has no preference.
+  *ps = g_devices[d.index].major == 9 ? kBlock : 0;
+  return ATTNRT_OK;
+}
+
+int32_t p_mem_alloc(attnrt_device d, size_t bytes, void** out) {
+  if (int32_t s = check_device(d); s != ATTNRT_OK) return s;
+  CK(cudaSetDevice(d.index));
+  CK(cudaMalloc(out, std::max<size_t>(bytes, 1)));
+  return ATTNRT_OK;
+}
+int32_t p_mem_free(attnrt_device d, void* ptr) {
+  if (int32_t s = check_device(d); s != ATTNRT_OK) return s;
+  CK(cudaSetDevice(d.index));
+  CK(cudaFree(ptr));
+  return ATTNRT_OK;
+}
+int32_t p_copy_to_device(attnrt_device d, void* dst, const void* src, size_t bytes) {
+  if (int32_t s = check_device(d); s != ATTNRT_OK) return s;
+  CK(cudaSetDevice(d.index));
+  CK(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice));
+  return ATTNRT_OK;
+}
+int32_t p_copy_to_host(attnrt_device d, void* dst, const void* src, size_t bytes) {
+  if (int32_t s = check_device(d); s != ATTNRT_OK) return s;
+  CK(cudaSetDevice(d.index));
+  CK(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost));
+  return ATTNRT_OK;
+}
+int32_t p_synchronize(attnrt_device d) {
+  if (int32_t s = check_device(d); s != ATTNRT_OK) return s;
+  CK(cudaSetDevice(d.index));
+  CK(cudaDeviceSynchronize());
+  return ATTNRT_OK;
+}
+int32_t p_describe_device(attnrt_device d, char* buf, size_t cap) {
+  if (int32_t s = check_device(d); s != ATTNRT_OK) return s;
+  const DeviceInfo& i = g_devices[d.index];
+  std::snprintf(buf, cap, "%s, sm_%d%d, %d SMs, %s", i.name, i.major, i.minor, i.sms,
+                i.major == 9 ? "fused bulk-copy decode indexer" : "not Hopper: fast path off");
+  return ATTNRT_OK;
+}
+
+const attnrt_plugin_v1 kTable = {
+    ATTNRT_PLUGIN_ABI_VERSION,
+    sizeof(attnrt_plugin_v1),
+    "cuda_sm90",
+    300,
+    p_init,
+    p_device_count,
+    p_probe,
+    p_plan,
+    p_run,
+    p_destroy_plan,
+    p_last_error,
+    p_update_plan,
+    p_preferred_page_size,
+    p_mem_alloc,
+    p_mem_free,
+    p_copy_to_device,
+    p_copy_to_host,
+    p_synchronize,
+    p_describe_device,
+};
+
+}  // namespace
+
+extern "C" {
+ATTNRT_PLUGIN_EXPORT extern const uint32_t attnrt_plugin_abi_version;
+const uint32_t attnrt_plugin_abi_version = ATTNRT_PLUGIN_ABI_VERSION;
+ATTNRT_PLUGIN_EXPORT const attnrt_plugin_v1* attnrt_plugin_get(void) { return &kTable; }
+}
