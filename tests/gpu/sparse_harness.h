@@ -386,17 +386,20 @@ struct AttendOut {
   std::vector<float> lse;
 };
 
-// op: sparse_attend_* (topk given) or dense_* (topk ignored). Two runs, bit-identical.
+// op: sparse_attend_* (topk given) or dense_* (topk ignored). Two runs, bit-identical, through
+// `plug` (default: the binary's plugin); *ms as run_index.
 AttendOut run_attend(int op, const Batch& B, const SparseParams& S, const Paging& P,
-                     const std::vector<int32_t>* topk, double* ms = nullptr, int timed = 0) {
+                     const std::vector<int32_t>* topk, double* ms = nullptr, int timed = 0,
+                     const attnrt_plugin_v1* plug = nullptr) {
+  const attnrt_plugin_v1* pg = plug ? plug : g_plugin;
   attnrt_problem p = problem_of(op, B, S, P.ps);
   attnrt_layout L = layout_of(B, P);
   AttendOut r;
   r.o.resize(static_cast<size_t>(B.T) * B.hq * B.d);
   r.lse.resize(static_cast<size_t>(B.T) * B.hq);
-  EXPECT_EQ(g_plugin->probe(&p), ATTNRT_OK) << g_plugin->last_error();
+  EXPECT_EQ(pg->probe(&p), ATTNRT_OK) << pg->last_error();
   attnrt_plan plan = nullptr;
-  EXPECT_EQ(g_plugin->plan(&p, &L, &plan), ATTNRT_OK) << g_plugin->last_error();
+  EXPECT_EQ(pg->plan(&p, &L, &plan), ATTNRT_OK) << pg->last_error();
   if (!plan) return r;
   std::vector<uint16_t> kp = to_pool(B, P, B.k, B.hkv, B.d), vp = to_pool(B, P, B.v, B.hkv, B.d);
   Dev dq(B.q.size() * 2), dk(kp.size() * 2), dv(vp.size() * 2), dout(r.o.size() * 2),
@@ -420,8 +423,8 @@ AttendOut run_attend(int op, const Batch& B, const SparseParams& S, const Paging
     std::vector<float> lp(r.lse.size(), std::numeric_limits<float>::quiet_NaN());
     dout.up(poison.data(), poison.size() * 2);
     dlse.up(lp.data(), lp.size() * 4);
-    EXPECT_EQ(g_plugin->run(plan, &ts, nullptr), ATTNRT_OK) << g_plugin->last_error();
-    EXPECT_EQ(g_plugin->synchronize({1, 0}), ATTNRT_OK) << g_plugin->last_error();
+    EXPECT_EQ(pg->run(plan, &ts, nullptr), ATTNRT_OK) << pg->last_error();
+    EXPECT_EQ(pg->synchronize({1, 0}), ATTNRT_OK) << pg->last_error();
     dout.down(r.o.data(), r.o.size() * 2);
     dlse.down(r.lse.data(), r.lse.size() * 4);
     if (rep == 0) first = r;
@@ -429,15 +432,15 @@ AttendOut run_attend(int op, const Batch& B, const SparseParams& S, const Paging
   EXPECT_TRUE(first.o == r.o && std::memcmp(first.lse.data(), r.lse.data(), r.lse.size() * 4) == 0)
       << "attend repeat not bit-identical";
   if (ms && timed > 0) {
-    for (int i = 0; i < 3; ++i) g_plugin->run(plan, &ts, nullptr);
-    g_plugin->synchronize({1, 0});
+    for (int i = 0; i < 3; ++i) pg->run(plan, &ts, nullptr);
+    pg->synchronize({1, 0});
     auto t0 = std::chrono::steady_clock::now();
-    for (int i = 0; i < timed; ++i) g_plugin->run(plan, &ts, nullptr);
-    g_plugin->synchronize({1, 0});
+    for (int i = 0; i < timed; ++i) pg->run(plan, &ts, nullptr);
+    pg->synchronize({1, 0});
     *ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count() /
           timed;
   }
-  g_plugin->destroy_plan(plan);
+  pg->destroy_plan(plan);
   return r;
 }
 

@@ -1,8 +1,10 @@
 // GPU tests of the Hopper fast-path plugin (libattnrt_cuda_sm90.so, backend "cuda_sm90"):
-// its fused decode indexer against the double-precision reference of sparse_harness.h (top-k
-// ascending, unique, -1 padded, equal as sets up to near-ties, forced blocks in, repeats
-// bit-identical), graph capture + update_plan replay, a 512k context, the probe's reasons by
-// name, and run() refusing (before writing) a cache whose pages are not contiguous.
+// its fused decode indexer and sparse attend against the double-precision references of
+// sparse_harness.h (top-k ascending, unique, -1 padded, equal as sets up to near-ties, forced
+// blocks in; outputs within atol = rtol = 5e-3, lse 1e-3; repeats bit-identical; outputs
+// poisoned), both ops captured in one CUDA graph and replayed after update_plan, a 512k context,
+// the probe's reasons by name, and run() refusing (before writing) a cache whose pages are not
+// contiguous.
 // Every test skips without a CUDA device; on a device other than sm_90 only the probe test runs.
 // ATTNRT_GPU_BENCH=1 times it beside the generic cuda plugin's indexer on the M3 decode shapes.
 #include "sparse_harness.h"
@@ -62,8 +64,52 @@ TEST(CudaSm90, ProbeReasons) {
   p = problem_of(ATTNRT_OP_SPARSE_INDEX_EXTEND, B, m3_params(), 128);
   EXPECT_EQ(g_plugin->probe(&p), ATTNRT_UNAVAILABLE);
   EXPECT_NE(std::string(g_plugin->last_error()).find("op not served"), std::string::npos);
-  p = problem_of(ATTNRT_OP_SPARSE_ATTEND_DECODE, B, m3_params(), 128);
+  const Batch Ba = make_batch(ATTNRT_BF16, 16, 1, 1, 128, 128, {1}, {300}, 1, false, false);
+  p = problem_of(ATTNRT_OP_SPARSE_ATTEND_DECODE, Ba, m3_params(), 128);
+  if (cc_major() == 9) {
+    EXPECT_EQ(g_plugin->probe(&p), ATTNRT_OK) << g_plugin->last_error();
+  }
+  p.num_kv_heads = 2;
+  p.num_q_heads = 32;
+  p.head_dim = 64;
   EXPECT_EQ(g_plugin->probe(&p), ATTNRT_UNAVAILABLE);
+  const std::string why_a = g_plugin->last_error();
+  for (const char* s : {"num_kv_heads 2", "num_q_heads 32", "head_dim 64"})
+    EXPECT_NE(why_a.find(s), std::string::npos) << "'" << s << "' missing from: " << why_a;
+}
+
+TEST(CudaSm90, AttendDecodeMatchesReference) {
+  REQUIRE_HOPPER();
+  struct C {
+    int dtype;
+    bool sink, lse;
+    std::vector<int32_t> kv;
+  };
+  const C cases[] = {
+      {ATTNRT_BF16, false, true, {300}},                  // 3 blocks: 13 empty slots
+      {ATTNRT_BF16, true, true, {4000, 130, 9001, 2048}},  // ragged, partial last blocks
+      {ATTNRT_F16, true, false, {20000, 7777, 1}},
+      {ATTNRT_BF16, false, false, {65536}},
+  };
+  int it = 0;
+  for (const C& c : cases) {
+    SCOPED_TRACE(it);
+    const Batch B = make_batch(c.dtype, 16, 1, 1, 128, 128, std::vector<int32_t>(c.kv.size(), 1),
+                               c.kv, 600 + it, true, false);
+    SparseParams S = m3_params();
+    S.sink = c.sink;
+    S.lse = c.lse;
+    const Paging P = make_paging(B, 128, 21 + it);
+    std::vector<int32_t> topk = random_topk(B, S, 40 + it);
+    if (it == 1) topk[3] = topk[2];  // a repeated id counts once (the reference takes the union)
+    const AttendOut got = run_attend(ATTNRT_OP_SPARSE_ATTEND_DECODE, B, S, P, &topk);
+    std::vector<double> ro, rl;
+    ref_attend(B, S, &topk, true, ro, rl);
+    double worst = 0;
+    expect_close(B, S, got, ro, rl, &worst);
+    std::printf("sm90 attend case %d: max abs err %.2e\n", it, worst);
+    ++it;
+  }
 }
 
 TEST(CudaSm90, IndexDecodeMatchesReference) {
@@ -148,13 +194,14 @@ TEST(CudaSm90, RunRefusesNonContiguousPages) {
   g_plugin->destroy_plan(plan);
 }
 
-// Captured once in a CUDA graph, replayed after update_plan with new lengths (new blocks appear):
-// the completion counters reset themselves, so every replay selects afresh.
+// The indexer and sparse attend of a decode step captured once in a CUDA graph, replayed after
+// update_plan with new lengths (new blocks appear) and twice per step: the completion counters
+// reset themselves, so every replay selects and attends afresh.
 TEST(CudaSm90, GraphReplaysWithNewLengths) {
   REQUIRE_HOPPER();
   const SparseParams S = m3_params(1, 1);
   const std::vector<int32_t> longest = {9000, 30000, 2100};
-  const Batch Bmax = decode_batch(ATTNRT_BF16, longest, 31);
+  const Batch Bmax = make_batch(ATTNRT_BF16, 16, 1, 1, 128, 128, {1, 1, 1}, longest, 31);
   const Paging Pmax = make_paging(Bmax, 128, 5);
   auto step = [&](const std::vector<int32_t>& kv, Batch* B, Paging* P) {
     *B = Bmax;
@@ -176,24 +223,46 @@ TEST(CudaSm90, GraphReplaysWithNewLengths) {
   step(steps[0], &B, &P);
   attnrt_layout L = layout_of(B, P);
   const attnrt_problem pi = problem_of(ATTNRT_OP_SPARSE_INDEX_DECODE, B, S, 128);
-  attnrt_plan plan = nullptr;
+  SparseParams Sa = S;
+  Sa.sink = true;
+  const attnrt_problem pa = problem_of(ATTNRT_OP_SPARSE_ATTEND_DECODE, B, Sa, 128);
+  attnrt_plan plan = nullptr, plan_a = nullptr;
   ASSERT_EQ(g_plugin->plan(&pi, &L, &plan), ATTNRT_OK) << g_plugin->last_error();
+  ASSERT_EQ(g_plugin->plan(&pa, &L, &plan_a), ATTNRT_OK) << g_plugin->last_error();
   const std::vector<uint16_t> ikp = to_pool(Bmax, Pmax, Bmax.ik, 1, 128);
-  const size_t n_topk = static_cast<size_t>(B.T) * S.K;
-  Dev diq(B.iq.size() * 2), dik(ikp.size() * 2), dt(n_topk * 4);
+  const std::vector<uint16_t> kp = to_pool(Bmax, Pmax, Bmax.k, 1, 128),
+                              vp = to_pool(Bmax, Pmax, Bmax.v, 1, 128);
+  const size_t n_topk = static_cast<size_t>(B.T) * S.K, n_out = B.q.size();
+  Dev diq(B.iq.size() * 2), dik(ikp.size() * 2), dt(n_topk * 4), dq(B.q.size() * 2),
+      dk(kp.size() * 2), dv(vp.size() * 2), dout(n_out * 2), dlse(B.T * 16 * 4),
+      dsink(B.sink.size() * 4);
   diq.up(B.iq.data(), B.iq.size() * 2);
   dik.up(ikp.data(), ikp.size() * 2);
+  dq.up(B.q.data(), B.q.size() * 2);
+  dk.up(kp.data(), kp.size() * 2);
+  dv.up(vp.data(), vp.size() * 2);
+  dsink.up(B.sink.data(), B.sink.size() * 4);
   attnrt_tensors ti{};
   ti.index_q = tensor(diq.p, B.dtype, 3, {B.T, 1, 128});
   ti.index_k_cache = tensor(dik.p, B.dtype, 4, {Pmax.num_pages, 128, 1, 128});
   ti.topk = tensor(dt.p, ATTNRT_I32, 3, {1, B.T, S.K});
+  attnrt_tensors ta{};
+  ta.q = tensor(dq.p, B.dtype, 3, {B.T, 16, 128});
+  ta.k_cache = tensor(dk.p, B.dtype, 4, {Pmax.num_pages, 128, 1, 128});
+  ta.v_cache = tensor(dv.p, B.dtype, 4, {Pmax.num_pages, 128, 1, 128});
+  ta.out = tensor(dout.p, B.dtype, 3, {B.T, 16, 128});
+  ta.lse = tensor(dlse.p, ATTNRT_F32, 2, {B.T, 16});
+  ta.sink = tensor(dsink.p, ATTNRT_F32, 1, {16});
+  ta.topk = ti.topk;
   cudaStream_t st;
   ASSERT_EQ(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), cudaSuccess);
   cudaGraph_t graph;
   ASSERT_EQ(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal), cudaSuccess);
   const int32_t r = g_plugin->run(plan, &ti, st);
+  const int32_t ra = g_plugin->run(plan_a, &ta, st);
   ASSERT_EQ(cudaStreamEndCapture(st, &graph), cudaSuccess);
   ASSERT_EQ(r, ATTNRT_OK) << g_plugin->last_error();
+  ASSERT_EQ(ra, ATTNRT_OK) << g_plugin->last_error();
   cudaGraphExec_t exec;
   ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
   for (size_t i = 0; i < steps.size(); ++i) {
@@ -202,15 +271,27 @@ TEST(CudaSm90, GraphReplaysWithNewLengths) {
     L = layout_of(B, P);
     if (i > 0) {
       ASSERT_EQ(g_plugin->update_plan(plan, &L), ATTNRT_OK) << g_plugin->last_error();
+      ASSERT_EQ(g_plugin->update_plan(plan_a, &L), ATTNRT_OK) << g_plugin->last_error();
     }
     for (int rep = 0; rep < 2; ++rep) {  // a second replay of the same step: counters reset
       std::vector<int32_t> poison(n_topk, -7), topk(n_topk);
+      std::vector<uint16_t> opoison(n_out, 0x7fc1);
       dt.up(poison.data(), poison.size() * 4);
+      dout.up(opoison.data(), opoison.size() * 2);
       ASSERT_EQ(cudaGraphLaunch(exec, st), cudaSuccess);
       ASSERT_EQ(cudaStreamSynchronize(st), cudaSuccess);
       dt.down(topk.data(), topk.size() * 4);
       int ties = 0;
       check_topk(B, S, topk, ref_scores(B, S), &ties);
+      AttendOut got;
+      got.o.resize(n_out);
+      got.lse.resize(static_cast<size_t>(B.T) * 16);
+      dout.down(got.o.data(), got.o.size() * 2);
+      dlse.down(got.lse.data(), got.lse.size() * 4);
+      std::vector<double> ro, rl;
+      ref_attend(B, Sa, &topk, true, ro, rl);
+      double worst = 0;
+      expect_close(B, Sa, got, ro, rl, &worst);
     }
   }
   Batch Bl = Bmax;
@@ -222,9 +303,77 @@ TEST(CudaSm90, GraphReplaysWithNewLengths) {
   cudaGraphDestroy(graph);
   cudaStreamDestroy(st);
   g_plugin->destroy_plan(plan);
+  g_plugin->destroy_plan(plan_a);
 }
 
-// M3 per-rank decode indexer: cuda_sm90 beside the generic cuda plugin, same data, same call.
+// One decode step of a sparse layer (indexer, then sparse attend) through `plug`, captured in a
+// CUDA graph and replayed `reps` times, each after a 256 MB memset that evicts L2 (cold cache, as
+// the peer numbers in issue 6 are measured); returns the median of the CUDA-event times in ms.
+double graph_step_ms(const attnrt_plugin_v1* plug, const Batch& B, const SparseParams& S,
+                     const Paging& P, int reps) {
+  const attnrt_problem pi = problem_of(ATTNRT_OP_SPARSE_INDEX_DECODE, B, S, 128);
+  const attnrt_problem pa = problem_of(ATTNRT_OP_SPARSE_ATTEND_DECODE, B, S, 128);
+  attnrt_layout L = layout_of(B, P);
+  attnrt_plan plan_i = nullptr, plan_a = nullptr;
+  EXPECT_EQ(plug->plan(&pi, &L, &plan_i), ATTNRT_OK) << plug->last_error();
+  EXPECT_EQ(plug->plan(&pa, &L, &plan_a), ATTNRT_OK) << plug->last_error();
+  if (!plan_i || !plan_a) return NAN;
+  const std::vector<uint16_t> ikp = to_pool(B, P, B.ik, 1, 128), kp = to_pool(B, P, B.k, 1, 128),
+                              vp = to_pool(B, P, B.v, 1, 128);
+  Dev diq(B.iq.size() * 2), dik(ikp.size() * 2), dq(B.q.size() * 2), dk(kp.size() * 2),
+      dv(vp.size() * 2), dt(static_cast<size_t>(B.T) * S.K * 4), dout(B.q.size() * 2),
+      flush(256u << 20);
+  diq.up(B.iq.data(), B.iq.size() * 2);
+  dik.up(ikp.data(), ikp.size() * 2);
+  dq.up(B.q.data(), B.q.size() * 2);
+  dk.up(kp.data(), kp.size() * 2);
+  dv.up(vp.data(), vp.size() * 2);
+  attnrt_tensors ti{}, ta{};
+  ti.index_q = tensor(diq.p, B.dtype, 3, {B.T, 1, 128});
+  ti.index_k_cache = tensor(dik.p, B.dtype, 4, {P.num_pages, 128, 1, 128});
+  ti.topk = tensor(dt.p, ATTNRT_I32, 3, {1, B.T, S.K});
+  ta.q = tensor(dq.p, B.dtype, 3, {B.T, 16, 128});
+  ta.k_cache = tensor(dk.p, B.dtype, 4, {P.num_pages, 128, 1, 128});
+  ta.v_cache = tensor(dv.p, B.dtype, 4, {P.num_pages, 128, 1, 128});
+  ta.out = tensor(dout.p, B.dtype, 3, {B.T, 16, 128});
+  ta.topk = ti.topk;
+  cudaStream_t st;
+  cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking);
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal);
+  const int32_t r1 = plug->run(plan_i, &ti, st), r2 = plug->run(plan_a, &ta, st);
+  EXPECT_EQ(cudaStreamEndCapture(st, &graph), cudaSuccess);
+  EXPECT_EQ(r1, ATTNRT_OK) << plug->last_error();
+  EXPECT_EQ(r2, ATTNRT_OK) << plug->last_error();
+  EXPECT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+  cudaEvent_t e0, e1;
+  cudaEventCreate(&e0);
+  cudaEventCreate(&e1);
+  std::vector<float> ms;
+  for (int i = 0; i < reps + 2; ++i) {
+    cudaMemsetAsync(flush.p, i & 0xff, flush.bytes, st);
+    cudaEventRecord(e0, st);
+    cudaGraphLaunch(exec, st);
+    cudaEventRecord(e1, st);
+    cudaEventSynchronize(e1);
+    float t = 0;
+    cudaEventElapsedTime(&t, e0, e1);
+    if (i >= 2) ms.push_back(t);
+  }
+  std::sort(ms.begin(), ms.end());
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(st);
+  plug->destroy_plan(plan_i);
+  plug->destroy_plan(plan_a);
+  return ms[ms.size() / 2];
+}
+
+// M3 per-rank decode (indexer, attend, sum): cuda_sm90 beside the generic cuda plugin, same data,
+// same call.
 TEST(CudaSm90, BenchM3) {
   REQUIRE_HOPPER();
   if (!std::getenv("ATTNRT_GPU_BENCH")) GTEST_SKIP() << "set ATTNRT_GPU_BENCH=1 to time";
@@ -240,25 +389,36 @@ TEST(CudaSm90, BenchM3) {
                           {"decode 64x128k", 64, 131072}};
   for (const Shape& s : shapes) {
     // Tile a random 1024-token pattern over the context (host generation would take minutes).
-    Batch B = decode_batch(ATTNRT_BF16, std::vector<int32_t>(s.n, 1024), 1);
+    Batch B = make_batch(ATTNRT_BF16, 16, 1, 1, 128, 128, std::vector<int32_t>(s.n, 1),
+                         std::vector<int32_t>(s.n, 1024), 1);
     B.kv_len.assign(s.n, s.kl);
     B.tok_off.assign(s.n + 1, 0);
     for (int b = 0; b < s.n; ++b) B.tok_off[b + 1] = B.tok_off[b] + s.kl;
     const size_t toks = static_cast<size_t>(B.tok_off[s.n]), row = 128;
-    std::vector<uint16_t> pat(B.ik.begin(), B.ik.begin() + 1024 * row);
-    B.ik.resize(toks * row);
-    for (size_t i = pat.size(); i < B.ik.size(); i += pat.size())
-      std::copy(pat.begin(), pat.begin() + std::min(pat.size(), B.ik.size() - i), B.ik.begin() + i);
+    for (std::vector<uint16_t>* x : {&B.ik, &B.k, &B.v}) {
+      std::vector<uint16_t> pat(x->begin(), x->begin() + 1024 * row);
+      x->resize(toks * row);
+      for (size_t i = pat.size(); i < x->size(); i += pat.size())
+        std::copy(pat.begin(), pat.begin() + std::min(pat.size(), x->size() - i), x->begin() + i);
+    }
     const SparseParams S = m3_params();
     const Paging P = make_paging(B, 128, 5);
-    double t_fast = 0, t_gen = 0;
+    double t_fast = 0, t_gen = 0, a_fast = 0, a_gen = 0;
     const std::vector<int32_t> a = run_index(B, S, P, true, &t_fast, 50);
     const std::vector<int32_t> g = run_index(B, S, P, true, &t_gen, 50, generic);
+    run_attend(ATTNRT_OP_SPARSE_ATTEND_DECODE, B, S, P, &a, &a_fast, 50);
+    run_attend(ATTNRT_OP_SPARSE_ATTEND_DECODE, B, S, P, &a, &a_gen, 50, generic);
     const double bytes = static_cast<double>(toks) * row * 2;
-    std::printf("BENCH sm90 %-16s fast %8.4f ms (%5.2f TB/s)  generic %8.4f ms (%5.2f TB/s)  "
-                "generic/fast %.2fx  same selections: %s\n",
-                s.name, t_fast, bytes / t_fast / 1e9, t_gen, bytes / t_gen / 1e9, t_gen / t_fast,
+    std::printf("BENCH sm90 %-16s indexer fast %8.4f ms (%5.2f TB/s) generic %8.4f (%.2fx)  "
+                "attend fast %8.4f generic %8.4f (%.2fx)  sum fast %8.4f generic %8.4f (%.2fx)  "
+                "same selections: %s\n",
+                s.name, t_fast, bytes / t_fast / 1e9, t_gen, t_gen / t_fast, a_fast, a_gen,
+                a_gen / a_fast, t_fast + a_fast, t_gen + a_gen, (t_gen + a_gen) / (t_fast + a_fast),
                 a == g ? "yes" : "no (near-ties)");
+    const double gf = graph_step_ms(g_plugin, B, S, P, 20), gg = graph_step_ms(generic, B, S, P, 20);
+    std::printf("BENCH sm90 %-16s one step in a CUDA graph, cold L2 (median of 20): fast %8.4f ms  "
+                "generic %8.4f ms (%.2fx)\n",
+                s.name, gf, gg, gg / gf);
     std::fflush(stdout);
   }
 }

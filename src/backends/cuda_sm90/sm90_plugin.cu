@@ -1,11 +1,13 @@
 // attnrt Hopper fast-path plugin (libattnrt_cuda_sm90.so, backend "cuda_sm90"). Includes only
 // the plugin C ABI.
 //
-// It serves one op, sparse_index_decode, at MiniMax-M3's production shape (one index head,
-// index_dim 128, block = page = 128, top-16, score max, bf16/f16) on compute capability 9.x,
-// with a single fused kernel (index_decode.cu): bulk-copy page loads, block scores and the
-// top-k selection in one launch. Anything else its probe refuses by name, and the generic
-// "cuda" plugin (priority 200) serves it. Priority 300: tried before the generic plugin.
+// It serves the two decode ops of MiniMax-M3's sparse layers at the production shape (block =
+// page = 128, top-16 of one index head, index_dim 128 with score max; 16 query heads on one KV
+// head, head_dim 128; bf16/f16) on compute capability 9.x, each with one fused launch:
+// sparse_index_decode (index_decode.cu: bulk-copy page loads, block scores and the top-k in one
+// kernel) and sparse_attend_decode (attend_decode.cu: one CTA per selected block on tensor cores,
+// the last CTA of a request merging the splits). Anything else its probe refuses by name, and the
+// generic "cuda" plugin (priority 200) serves it. Priority 300: tried before the generic plugin.
 //
 // Contract notes: cudart is linked statically (loads without a driver; init() then reports why);
 // device properties are read once in init(); plan() allocates every device buffer the op needs
@@ -22,12 +24,15 @@
 #include <string>
 #include <vector>
 
+#include "attend_decode.h"
 #include "index_decode.h"
 
 namespace {
 
 using attnrt_cuda_sm90::kBlock;
 using attnrt_cuda_sm90::kDim;
+using attnrt_cuda_sm90::kHeadDim;
+using attnrt_cuda_sm90::kHeads;
 using attnrt_cuda_sm90::kMaxBlocks;
 using attnrt_cuda_sm90::kTopK;
 
@@ -70,21 +75,23 @@ int32_t check_device(attnrt_device d) {
   return ATTNRT_OK;
 }
 
-// The decode plan: device copies of the layout (with room to grow), the score matrix and the
-// per-request completion counters of the fused kernel.
+// A decode plan: device copies of the layout (with room to grow), the per-request completion
+// counters of the fused kernels, and the indexer's score matrix or attend's split partials.
 struct Sm90Plan {
   attnrt_problem problem{};
   int n = 0;
   int page_capacity = 0, block_capacity = 0;
-  int blocks_per_cta = 2, ctas_per_request = 1;
+  int blocks_per_cta = 2, ctas_per_request = 1;  // indexer
   int32_t *d_kv_len = nullptr, *d_page_indptr = nullptr, *d_page_ids = nullptr;
   int32_t* d_counters = nullptr;
-  float* d_scores = nullptr;
+  float* d_scores = nullptr;                              // indexer
+  float *d_part_o = nullptr, *d_part_lse = nullptr;       // attend
 };
 
 void free_plan(Sm90Plan* p) {
   if (!p) return;
-  void* bufs[] = {p->d_kv_len, p->d_page_indptr, p->d_page_ids, p->d_counters, p->d_scores};
+  void* bufs[] = {p->d_kv_len, p->d_page_indptr, p->d_page_ids, p->d_counters,
+                  p->d_scores, p->d_part_o,      p->d_part_lse};
   for (void* b : bufs) cudaFree(b);
   delete p;
 }
@@ -151,8 +158,11 @@ int32_t p_probe(const attnrt_problem* p) {
   static const char* const kOps[] = {"dense_extend",         "dense_decode",
                                      "sparse_index_extend",  "sparse_index_decode",
                                      "sparse_attend_extend", "sparse_attend_decode"};
-  if (p->op != ATTNRT_OP_SPARSE_INDEX_DECODE)  // the plugin.h wording for an op never served
-    return fail(ATTNRT_UNAVAILABLE, "op not served: cuda_sm90 serves sparse_index_decode, not %s",
+  const bool index = p->op == ATTNRT_OP_SPARSE_INDEX_DECODE;
+  if (!index && p->op != ATTNRT_OP_SPARSE_ATTEND_DECODE)  // plugin.h's wording for such ops
+    return fail(ATTNRT_UNAVAILABLE,
+                "op not served: cuda_sm90 serves sparse_index_decode and sparse_attend_decode, "
+                "not %s",
                 p->op >= 0 && p->op < 6 ? kOps[p->op] : "an unknown op");
   need(dev.major == 9, "compute capability %d.%d (needs 9.x: Hopper bulk copies)", dev.major,
        dev.minor);
@@ -161,10 +171,16 @@ int32_t p_probe(const attnrt_problem* p) {
   need(p->kv_dtype == p->q_dtype, "kv dtype %d (needs the q dtype %d)", p->kv_dtype, p->q_dtype);
   need(p->page_size == kBlock, "page_size %d (needs %d)", p->page_size, kBlock);
   need(p->block_size == kBlock, "block_size %d (needs %d)", p->block_size, kBlock);
-  need(p->index_dim == kDim, "index_dim %d (needs %d)", p->index_dim, kDim);
   need(p->num_index_heads == 1, "num_index_heads %d (needs 1)", p->num_index_heads);
   need(p->topk == kTopK, "topk %d (needs %d)", p->topk, kTopK);
-  need(p->score_type == 0, "score_type %d (needs 0, max)", p->score_type);
+  if (index) {
+    need(p->index_dim == kDim, "index_dim %d (needs %d)", p->index_dim, kDim);
+    need(p->score_type == 0, "score_type %d (needs 0, max)", p->score_type);
+  } else {
+    need(p->num_kv_heads == 1, "num_kv_heads %d (needs 1)", p->num_kv_heads);
+    need(p->num_q_heads == kHeads, "num_q_heads %d (needs %d)", p->num_q_heads, kHeads);
+    need(p->head_dim == kHeadDim, "head_dim %d (needs %d)", p->head_dim, kHeadDim);
+  }
   if (!why.empty()) return fail(ATTNRT_UNAVAILABLE, "%s", why.c_str());
   return ATTNRT_OK;
 }
@@ -220,8 +236,14 @@ int32_t plan_impl(const attnrt_problem* p, const attnrt_layout* L, Sm90Plan* pl)
     return ATTNRT_INTERNAL;
   CK(cudaMalloc(reinterpret_cast<void**>(&pl->d_counters), sizeof(int32_t) * std::max(n, 1)));
   CK(cudaMemset(pl->d_counters, 0, sizeof(int32_t) * std::max(n, 1)));
-  CK(cudaMalloc(reinterpret_cast<void**>(&pl->d_scores),
-                sizeof(float) * std::max<size_t>(1, static_cast<size_t>(n) * pl->block_capacity)));
+  if (p->op == ATTNRT_OP_SPARSE_INDEX_DECODE) {
+    CK(cudaMalloc(reinterpret_cast<void**>(&pl->d_scores),
+                  sizeof(float) * std::max<size_t>(1, static_cast<size_t>(n) * pl->block_capacity)));
+  } else {
+    const size_t rows = std::max<size_t>(1, static_cast<size_t>(n) * kTopK * kHeads);
+    CK(cudaMalloc(reinterpret_cast<void**>(&pl->d_part_o), sizeof(float) * rows * kHeadDim));
+    CK(cudaMalloc(reinterpret_cast<void**>(&pl->d_part_lse), sizeof(float) * rows));
+  }
   return ATTNRT_OK;
 }
 
@@ -243,47 +265,107 @@ int32_t p_plan(const attnrt_problem* p, const attnrt_layout* L, attnrt_plan* out
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
+// A K/V-like cache whose pages are each one contiguous run of 128 rows of `dim` elements.
+bool pages_contiguous(const attnrt_tensor& x, int dim) {
+  return x.rank == 4 && x.data && x.strides[3] == 1 && x.strides[2] == dim &&
+         x.strides[1] == dim && x.strides[0] % 8 == 0 && aligned16(x.data);
+}
+// Rows of a rank-3 [tokens, heads, dim] tensor: unit inner stride, 16-byte aligned rows.
+bool rows_aligned(const attnrt_tensor& x) {
+  return x.rank == 3 && x.data && x.strides[2] == 1 && x.strides[1] % 8 == 0 &&
+         x.strides[0] % 8 == 0 && aligned16(x.data);
+}
+
+int32_t run_index(const Sm90Plan& pl, const attnrt_tensors* t, void* stream) {
+  const attnrt_problem& p = pl.problem;
+  const attnrt_tensor &iq = t->index_q, &ik = t->index_k_cache, &tk = t->topk;
+  if (!iq.data || iq.rank != 3 || !ik.data || ik.rank != 4 || !tk.data || tk.rank != 3)
+    return fail(ATTNRT_INVALID, "index_q (rank 3), index_k_cache (rank 4), topk (rank 3) required");
+  // A page must be one contiguous 32 KB run (one bulk copy), rows 16-byte aligned.
+  if (!pages_contiguous(ik, kDim))
+    return fail(ATTNRT_UNAVAILABLE,
+                "cuda_sm90 needs each index_k_cache page contiguous and 16-byte aligned "
+                "(strides [k, 128, 128, 1], k a multiple of 8); got [%lld, %lld, %lld, %lld]",
+                static_cast<long long>(ik.strides[0]), static_cast<long long>(ik.strides[1]),
+                static_cast<long long>(ik.strides[2]), static_cast<long long>(ik.strides[3]));
+  if (!rows_aligned(iq)) return fail(ATTNRT_UNAVAILABLE, "cuda_sm90 needs 16-byte aligned index_q rows");
+  CK(cudaSetDevice(p.device.index));
+  attnrt_cuda_sm90::IndexDecodeArgs a{};
+  a.q = iq.data;
+  a.kc = ik.data;
+  a.q_s0 = iq.strides[0];
+  a.k_s0 = ik.strides[0];
+  a.kv_len = pl.d_kv_len;
+  a.page_indptr = pl.d_page_indptr;
+  a.page_ids = pl.d_page_ids;
+  a.scores = pl.d_scores;
+  a.counters = pl.d_counters;
+  a.topk = static_cast<int32_t*>(tk.data);
+  a.t_s1 = tk.strides[1];
+  a.t_s2 = tk.strides[2];
+  a.n = pl.n;
+  a.block_capacity = pl.block_capacity;
+  a.blocks_per_cta = pl.blocks_per_cta;
+  a.ctas_per_request = pl.ctas_per_request;
+  a.init_blocks = p.init_blocks;
+  a.local_blocks = p.local_blocks;
+  a.scale = p.index_scale;
+  CK(static_cast<cudaError_t>(attnrt_cuda_sm90::launch_index_decode(a, p.q_dtype, stream)));
+  return ATTNRT_OK;
+}
+
+int32_t run_attend(const Sm90Plan& pl, const attnrt_tensors* t, void* stream) {
+  const attnrt_problem& p = pl.problem;
+  if (!t->q.data || !t->out.data || !t->k_cache.data || !t->v_cache.data || !t->topk.data ||
+      t->topk.rank != 3)
+    return fail(ATTNRT_INVALID, "q, out, k_cache, v_cache and topk (rank 3) required");
+  if (!rows_aligned(t->q) || !rows_aligned(t->out))
+    return fail(ATTNRT_UNAVAILABLE, "cuda_sm90 needs q and out rank 3 with 16-byte aligned rows");
+  if (!pages_contiguous(t->k_cache, kHeadDim) || !pages_contiguous(t->v_cache, kHeadDim))
+    return fail(ATTNRT_UNAVAILABLE,
+                "cuda_sm90 needs each k_cache/v_cache page contiguous and 16-byte aligned "
+                "(strides [k, 128, 128, 1], k a multiple of 8)");
+  if (p.write_lse && (!t->lse.data || t->lse.strides[1] != 1))
+    return fail(ATTNRT_INVALID, "lse must be present with unit innermost stride");
+  if (p.has_sink && !t->sink.data) return fail(ATTNRT_INVALID, "sink missing");
+  CK(cudaSetDevice(p.device.index));
+  attnrt_cuda_sm90::AttendDecodeArgs a{};
+  a.q = t->q.data;
+  a.kc = t->k_cache.data;
+  a.vc = t->v_cache.data;
+  a.out = t->out.data;
+  a.lse = p.write_lse ? static_cast<float*>(t->lse.data) : nullptr;
+  a.sink = p.has_sink ? static_cast<const float*>(t->sink.data) : nullptr;
+  a.topk = static_cast<const int32_t*>(t->topk.data);
+  a.q_s0 = t->q.strides[0];
+  a.q_s1 = t->q.strides[1];
+  a.o_s0 = t->out.strides[0];
+  a.o_s1 = t->out.strides[1];
+  a.k_s0 = t->k_cache.strides[0];
+  a.k_s1 = t->k_cache.strides[1];
+  a.v_s0 = t->v_cache.strides[0];
+  a.v_s1 = t->v_cache.strides[1];
+  a.lse_s0 = a.lse ? t->lse.strides[0] : 0;
+  a.t_s1 = t->topk.strides[1];
+  a.t_s2 = t->topk.strides[2];
+  a.kv_len = pl.d_kv_len;
+  a.page_indptr = pl.d_page_indptr;
+  a.page_ids = pl.d_page_ids;
+  a.part_o = pl.d_part_o;
+  a.part_lse = pl.d_part_lse;
+  a.counters = pl.d_counters;
+  a.n = pl.n;
+  a.scale_log2 = p.sm_scale * 1.4426950408889634f;
+  CK(static_cast<cudaError_t>(attnrt_cuda_sm90::launch_attend_decode(a, p.q_dtype, stream)));
+  return ATTNRT_OK;
+}
+
 int32_t p_run(attnrt_plan plan, const attnrt_tensors* t, void* stream) {
   try {
     if (!plan) return fail(ATTNRT_INVALID, "null plan");
     const Sm90Plan& pl = *reinterpret_cast<const Sm90Plan*>(plan);
-    const attnrt_problem& p = pl.problem;
-    const attnrt_tensor &iq = t->index_q, &ik = t->index_k_cache, &tk = t->topk;
-    if (!iq.data || iq.rank != 3 || !ik.data || ik.rank != 4 || !tk.data || tk.rank != 3)
-      return fail(ATTNRT_INVALID, "index_q (rank 3), index_k_cache (rank 4), topk (rank 3) required");
-    // A page must be one contiguous 32 KB run (one bulk copy), rows 16-byte aligned.
-    if (ik.strides[3] != 1 || ik.strides[2] != kDim || ik.strides[1] != kDim ||
-        ik.strides[0] % 8 != 0 || !aligned16(ik.data))
-      return fail(ATTNRT_UNAVAILABLE,
-                  "cuda_sm90 needs each index_k_cache page contiguous and 16-byte aligned "
-                  "(strides [k, 128, 128, 1], k a multiple of 8); got [%lld, %lld, %lld, %lld]",
-                  static_cast<long long>(ik.strides[0]), static_cast<long long>(ik.strides[1]),
-                  static_cast<long long>(ik.strides[2]), static_cast<long long>(ik.strides[3]));
-    if (iq.strides[2] != 1 || iq.strides[0] % 8 != 0 || !aligned16(iq.data))
-      return fail(ATTNRT_UNAVAILABLE, "cuda_sm90 needs 16-byte aligned index_q rows");
-    CK(cudaSetDevice(p.device.index));
-    attnrt_cuda_sm90::IndexDecodeArgs a{};
-    a.q = iq.data;
-    a.kc = ik.data;
-    a.q_s0 = iq.strides[0];
-    a.k_s0 = ik.strides[0];
-    a.kv_len = pl.d_kv_len;
-    a.page_indptr = pl.d_page_indptr;
-    a.page_ids = pl.d_page_ids;
-    a.scores = pl.d_scores;
-    a.counters = pl.d_counters;
-    a.topk = static_cast<int32_t*>(tk.data);
-    a.t_s1 = tk.strides[1];
-    a.t_s2 = tk.strides[2];
-    a.n = pl.n;
-    a.block_capacity = pl.block_capacity;
-    a.blocks_per_cta = pl.blocks_per_cta;
-    a.ctas_per_request = pl.ctas_per_request;
-    a.init_blocks = p.init_blocks;
-    a.local_blocks = p.local_blocks;
-    a.scale = p.index_scale;
-    CK(static_cast<cudaError_t>(attnrt_cuda_sm90::launch_index_decode(a, p.q_dtype, stream)));
-    return ATTNRT_OK;
+    return pl.problem.op == ATTNRT_OP_SPARSE_INDEX_DECODE ? run_index(pl, t, stream)
+                                                          : run_attend(pl, t, stream);
   } catch (...) {
     return fail(ATTNRT_INTERNAL, "exception in cuda_sm90 run");
   }
@@ -355,7 +437,7 @@ int32_t p_describe_device(attnrt_device d, char* buf, size_t cap) {
   if (int32_t s = check_device(d); s != ATTNRT_OK) return s;
   const DeviceInfo& i = g_devices[d.index];
   std::snprintf(buf, cap, "%s, sm_%d%d, %d SMs, %s", i.name, i.major, i.minor, i.sms,
-                i.major == 9 ? "fused bulk-copy decode indexer" : "not Hopper: fast path off");
+                i.major == 9 ? "fused decode indexer (bulk copies) and sparse attend" : "not Hopper: fast path off");
   return ATTNRT_OK;
 }
 
