@@ -322,7 +322,7 @@ double graph_step_ms(const attnrt_plugin_v1* plug, const Batch& B, const SparseP
                               vp = to_pool(B, P, B.v, 1, 128);
   Dev diq(B.iq.size() * 2), dik(ikp.size() * 2), dq(B.q.size() * 2), dk(kp.size() * 2),
       dv(vp.size() * 2), dt(static_cast<size_t>(B.T) * S.K * 4), dout(B.q.size() * 2),
-      flush(256u << 20);
+      dlse(static_cast<size_t>(B.T) * 16 * 4), flush(256u << 20);
   diq.up(B.iq.data(), B.iq.size() * 2);
   dik.up(ikp.data(), ikp.size() * 2);
   dq.up(B.q.data(), B.q.size() * 2);
@@ -336,6 +336,7 @@ double graph_step_ms(const attnrt_plugin_v1* plug, const Batch& B, const SparseP
   ta.k_cache = tensor(dk.p, B.dtype, 4, {P.num_pages, 128, 1, 128});
   ta.v_cache = tensor(dv.p, B.dtype, 4, {P.num_pages, 128, 1, 128});
   ta.out = tensor(dout.p, B.dtype, 3, {B.T, 16, 128});
+  if (S.lse) ta.lse = tensor(dlse.p, ATTNRT_F32, 2, {B.T, 16});
   ta.topk = ti.topk;
   cudaStream_t st;
   cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking);
@@ -346,6 +347,7 @@ double graph_step_ms(const attnrt_plugin_v1* plug, const Batch& B, const SparseP
   EXPECT_EQ(cudaStreamEndCapture(st, &graph), cudaSuccess);
   EXPECT_EQ(r1, ATTNRT_OK) << plug->last_error();
   EXPECT_EQ(r2, ATTNRT_OK) << plug->last_error();
+  if (r1 != ATTNRT_OK || r2 != ATTNRT_OK) return NAN;  // a partial step would time too little
   EXPECT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
   cudaEvent_t e0, e1;
   cudaEventCreate(&e0);

@@ -41,17 +41,19 @@ __global__ void __launch_bounds__(kThreads, 3) attend_decode_kernel(AttendDecode
   T* sK = sQ + kHeads * kHeadDim;          // [128][128]
   T* sV = sK + kKeys * kHeadDim;           // [128][128]
   __shared__ float s_m[4][kHeads], s_l[4][kHeads];
-  __shared__ int s_last;
+  __shared__ int s_last, s_sel[kTopK];
 
   const int b = blockIdx.x / kTopK, slot = blockIdx.x % kTopK;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, t4 = lane & 3;
   const int kv = a.kv_len[b];
   const int nblk = (kv + kBlock - 1) / kBlock;
-  const int32_t* sel = a.topk + static_cast<int64_t>(b) * a.t_s1;
-  const int c = sel[slot * a.t_s2];
+  // The request's selection row, loaded in parallel (one dependent load, not one per slot).
+  if (tid < kTopK) s_sel[tid] = a.topk[static_cast<int64_t>(b) * a.t_s1 + tid * a.t_s2];
+  __syncthreads();
+  const int c = s_sel[slot];
   bool live = c >= 0 && c < nblk;
-  for (int s = 0; s < slot && live; ++s) live = sel[s * a.t_s2] != c;  // a repeat counts once
+  for (int s = 0; s < slot; ++s) live = live && s_sel[s] != c;  // a repeat counts once
   const int j0 = c * kBlock, jend = min(j0 + kBlock, kv);
   const int64_t slot_row = (static_cast<int64_t>(b) * kTopK + slot) * kHeads;
 

@@ -91,6 +91,7 @@ __global__ void __launch_bounds__(kThreads) index_decode_kernel(IndexDecodeArgs 
   __shared__ float red[2][kThreads / 32];
   __shared__ typename TopK::Storage topk_storage;
   __shared__ int s_last;
+  __shared__ int64_t s_page[kMaxBlocksPerCta];
 
   const int b = blockIdx.x / a.ctas_per_request;
   const int part = blockIdx.x % a.ctas_per_request;
@@ -102,6 +103,8 @@ __global__ void __launch_bounds__(kThreads) index_decode_kernel(IndexDecodeArgs 
   const int32_t* pages = a.page_ids + a.page_indptr[b];
   const T* kc = static_cast<const T*>(a.kc);
 
+  // The CTA's page addresses, loaded in parallel so the copy issuer never waits on one.
+  if (tid < c1 - c0) s_page[tid] = static_cast<int64_t>(pages[c0 + tid]) * a.k_s0;
   if (tid == 0) {
     for (int s = 0; s < kStages; ++s) bar_init(&bars[s], 1);
     bar_init_fence();
@@ -110,8 +113,7 @@ __global__ void __launch_bounds__(kThreads) index_decode_kernel(IndexDecodeArgs 
   if (tid == 0)
     for (int s = 0; s < kStages && c0 + s < c1; ++s) {
       bar_expect_tx(&bars[s], kPageBytes);
-      bulk_load(stages + s * kPageBytes, kc + static_cast<int64_t>(pages[c0 + s]) * a.k_s0,
-                kPageBytes, &bars[s]);
+      bulk_load(stages + s * kPageBytes, kc + s_page[s], kPageBytes, &bars[s]);
     }
 
   // This thread's 16 query dims: [8*sub, 8*sub+8) and [64+8*sub, 64+8*sub+8).
@@ -152,8 +154,7 @@ __global__ void __launch_bounds__(kThreads) index_decode_kernel(IndexDecodeArgs 
     if (tid == 0) {
       if (c + kStages < c1) {
         bar_expect_tx(&bars[s], kPageBytes);
-        bulk_load(stages + s * kPageBytes, kc + static_cast<int64_t>(pages[c + kStages]) * a.k_s0,
-                  kPageBytes, &bars[s]);
+        bulk_load(stages + s * kPageBytes, kc + s_page[i + kStages], kPageBytes, &bars[s]);
       }
       float bm = red[i & 1][0];
 #pragma unroll

@@ -227,7 +227,8 @@ int32_t plan_impl(const attnrt_problem* p, const attnrt_layout* L, Sm90Plan* pl)
   // memory) cover the batch, at least 2 (both stages in flight) and at most 8 (short tails).
   const int slots = 3 * g_devices[p->device.index].sms;
   const int per_request = std::max(1, slots / std::max(n, 1));
-  pl->blocks_per_cta = std::clamp((pl->block_capacity + per_request - 1) / per_request, 2, 8);
+  pl->blocks_per_cta = std::clamp((pl->block_capacity + per_request - 1) / per_request, 2,
+                                   attnrt_cuda_sm90::kMaxBlocksPerCta);
   pl->ctas_per_request = (pl->block_capacity + pl->blocks_per_cta - 1) / pl->blocks_per_cta;
   CK(cudaSetDevice(p->device.index));
   if (upload(&pl->d_kv_len, L->kv_len, n, 0) ||
