@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "attend_decode.h"
+#include "cuda_common/device_runtime.h"
 #include "index_decode.h"
 
 namespace {
@@ -55,25 +56,9 @@ int32_t fail(int32_t status, const char* fmt, ...) {
                   cudaGetErrorString(e_));                                                \
   } while (0)
 
-struct DeviceInfo {
-  int major = 0, minor = 0, sms = 0;
-  char name[256] = "";
-};
+attnrt_cuda_common::DeviceRuntime g_rt("cuda_sm90");
 
-bool g_init_done = false;
-int32_t g_init_status = ATTNRT_UNAVAILABLE;
-char g_init_error[512] = "";
-std::vector<DeviceInfo> g_devices;
-
-int32_t check_device(attnrt_device d) {
-  if (d.kind != ATTNRT_DEVICE_CUDA)
-    return fail(ATTNRT_UNAVAILABLE, "cuda_sm90 serves cuda devices only");
-  if (g_init_status != ATTNRT_OK) return fail(ATTNRT_UNAVAILABLE, "%s", g_init_error);
-  if (d.index < 0 || d.index >= static_cast<int>(g_devices.size()))
-    return fail(ATTNRT_UNAVAILABLE, "cuda:%d does not exist (%zu CUDA devices)", d.index,
-                g_devices.size());
-  return ATTNRT_OK;
-}
+int32_t check_device(attnrt_device d) { return g_rt.check(d, g_error, sizeof g_error); }
 
 // A decode plan: device copies of the layout (with room to grow), the per-request completion
 // counters of the fused kernels, and the indexer's score matrix or attend's split partials.
@@ -98,55 +83,14 @@ void free_plan(Sm90Plan* p) {
 
 // ---------------------------------------------------------------------------------------------
 
-int32_t p_init() {
-  if (g_init_done) {
-    if (g_init_status != ATTNRT_OK) std::snprintf(g_error, sizeof g_error, "%s", g_init_error);
-    return g_init_status;
-  }
-  g_init_done = true;
-  int count = 0;
-  cudaError_t e = cudaGetDeviceCount(&count);
-  if (e != cudaSuccess || count == 0) {
-    if (e == cudaErrorNoDevice || (e == cudaSuccess && count == 0))
-      std::snprintf(g_init_error, sizeof g_init_error, "no CUDA device");
-    else
-      std::snprintf(g_init_error, sizeof g_init_error, "no CUDA driver: %s (%s)",
-                    cudaGetErrorName(e), cudaGetErrorString(e));
-    g_init_status = ATTNRT_UNAVAILABLE;
-    std::snprintf(g_error, sizeof g_error, "%s", g_init_error);
-    return g_init_status;
-  }
-  g_devices.resize(count);
-  for (int i = 0; i < count; ++i) {
-    cudaDeviceProp prop{};
-    e = cudaGetDeviceProperties(&prop, i);
-    if (e != cudaSuccess) {
-      std::snprintf(g_init_error, sizeof g_init_error, "cudaGetDeviceProperties(%d): %s", i,
-                    cudaGetErrorString(e));
-      g_init_status = ATTNRT_UNAVAILABLE;
-      std::snprintf(g_error, sizeof g_error, "%s", g_init_error);
-      return g_init_status;
-    }
-    g_devices[i].major = prop.major;
-    g_devices[i].minor = prop.minor;
-    g_devices[i].sms = prop.multiProcessorCount;
-    std::snprintf(g_devices[i].name, sizeof g_devices[i].name, "%s", prop.name);
-  }
-  g_init_status = ATTNRT_OK;
-  return ATTNRT_OK;
-}
+int32_t p_init() { return g_rt.init(g_error, sizeof g_error); }
 
-int32_t p_device_count(int32_t kind, int32_t* count) {
-  *count = (kind == ATTNRT_DEVICE_CUDA && g_init_status == ATTNRT_OK)
-               ? static_cast<int32_t>(g_devices.size())
-               : 0;
-  return ATTNRT_OK;
-}
+int32_t p_device_count(int32_t kind, int32_t* count) { return g_rt.device_count(kind, count); }
 
 // Every unmet requirement of the fast path, by name, separated by "; ".
 int32_t p_probe(const attnrt_problem* p) {
   if (int32_t s = check_device(p->device); s != ATTNRT_OK) return s;
-  const DeviceInfo& dev = g_devices[p->device.index];
+  const attnrt_cuda_common::DeviceInfo& dev = g_rt.info(p->device.index);
   std::string why;
   char buf[160];
   auto need = [&](bool ok, const char* fmt, auto... args) {
@@ -225,7 +169,7 @@ int32_t plan_impl(const attnrt_problem* p, const attnrt_layout* L, Sm90Plan* pl)
   if (int32_t s = check_layout(L, pl->block_capacity, pl->page_capacity); s != ATTNRT_OK) return s;
   // Work split: as many blocks per CTA as makes one wave of resident CTAs (3 per SM by shared
   // memory) cover the batch, at least 2 (both stages in flight) and at most 8 (short tails).
-  const int slots = 3 * g_devices[p->device.index].sms;
+  const int slots = 3 * g_rt.info(p->device.index).sms;
   const int per_request = std::max(1, slots / std::max(n, 1));
   pl->blocks_per_cta = std::clamp((pl->block_capacity + per_request - 1) / per_request, 2,
                                    attnrt_cuda_sm90::kMaxBlocksPerCta);
@@ -400,43 +344,24 @@ const char* p_last_error() { return g_error; }
 int32_t p_preferred_page_size(attnrt_device d, int32_t* ps) {
   if (int32_t s = check_device(d); s != ATTNRT_OK) return s;
   // Page = block = 128 is what the fast path takes; elsewhere it has no preference.
-  *ps = g_devices[d.index].major == 9 ? kBlock : 0;
+  *ps = g_rt.info(d.index).major == 9 ? kBlock : 0;
   return ATTNRT_OK;
 }
 
 int32_t p_mem_alloc(attnrt_device d, size_t bytes, void** out) {
-  if (int32_t s = check_device(d); s != ATTNRT_OK) return s;
-  CK(cudaSetDevice(d.index));
-  CK(cudaMalloc(out, std::max<size_t>(bytes, 1)));
-  return ATTNRT_OK;
+  return g_rt.alloc(d, bytes, out, g_error, sizeof g_error);
 }
-int32_t p_mem_free(attnrt_device d, void* ptr) {
-  if (int32_t s = check_device(d); s != ATTNRT_OK) return s;
-  CK(cudaSetDevice(d.index));
-  CK(cudaFree(ptr));
-  return ATTNRT_OK;
-}
+int32_t p_mem_free(attnrt_device d, void* ptr) { return g_rt.free(d, ptr, g_error, sizeof g_error); }
 int32_t p_copy_to_device(attnrt_device d, void* dst, const void* src, size_t bytes) {
-  if (int32_t s = check_device(d); s != ATTNRT_OK) return s;
-  CK(cudaSetDevice(d.index));
-  CK(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice));
-  return ATTNRT_OK;
+  return g_rt.to_device(d, dst, src, bytes, g_error, sizeof g_error);
 }
 int32_t p_copy_to_host(attnrt_device d, void* dst, const void* src, size_t bytes) {
-  if (int32_t s = check_device(d); s != ATTNRT_OK) return s;
-  CK(cudaSetDevice(d.index));
-  CK(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost));
-  return ATTNRT_OK;
+  return g_rt.to_host(d, dst, src, bytes, g_error, sizeof g_error);
 }
-int32_t p_synchronize(attnrt_device d) {
-  if (int32_t s = check_device(d); s != ATTNRT_OK) return s;
-  CK(cudaSetDevice(d.index));
-  CK(cudaDeviceSynchronize());
-  return ATTNRT_OK;
-}
+int32_t p_synchronize(attnrt_device d) { return g_rt.synchronize(d, g_error, sizeof g_error); }
 int32_t p_describe_device(attnrt_device d, char* buf, size_t cap) {
   if (int32_t s = check_device(d); s != ATTNRT_OK) return s;
-  const DeviceInfo& i = g_devices[d.index];
+  const attnrt_cuda_common::DeviceInfo& i = g_rt.info(d.index);
   std::snprintf(buf, cap, "%s, sm_%d%d, %d SMs, %s", i.name, i.major, i.minor, i.sms,
                 i.major == 9 ? "fused decode indexer (bulk copies) and sparse attend" : "not Hopper: fast path off");
   return ATTNRT_OK;
