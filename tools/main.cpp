@@ -7,6 +7,7 @@
 
 #include <cstdio>
 #include <exception>
+#include <new>
 
 #include "attnrt/errors.h"
 #include "cli_common.h"
@@ -38,6 +39,11 @@ int main(int argc, char** argv) {
   } catch (const attnrt::BackendUnavailable& e) {
     std::fprintf(stderr, "attnrt: error: backend %s unavailable for %s on %s: %s\n",
                  e.backend().c_str(), e.op().c_str(), e.device().c_str(), e.reason().c_str());
+    return 1;
+  } catch (const std::bad_alloc&) {
+    std::fprintf(stderr,
+                 "attnrt: error: out of memory: the caches and activations of this run do not fit; "
+                 "reduce --batch, --prompt-len or --layers\n");
     return 1;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "attnrt: error: %s\n", e.what());
