@@ -134,7 +134,9 @@ typedef struct attnrt_plugin_v1 {
    * is the device stream (NULL: the default stream); the call may return before the device
    * finishes. Neither allocates nor synchronizes on GPU paths (graph-capturable). The host
    * shares cached plans between threads: run may be called concurrently on one plan, so it
-   * must not modify the plan. */
+   * must not modify the plan. On a non-host device the host passes the default stream and
+   * enqueues one run of a plan at a time, so a plan's device scratch may be reused by its runs
+   * (a caller passing its own streams must not run one plan on two streams at once). */
   int32_t (*run)(attnrt_plan plan, const attnrt_tensors* tensors, void* stream);
   /* Required. Frees a plan; NULL is a no-op. */
   void (*destroy_plan)(attnrt_plan plan);

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <mutex>
 #include <sstream>
 
 #include "attnrt/log.h"
@@ -85,10 +86,13 @@ class PluginPlan : public BackendPlan {
   PluginPlan(std::shared_ptr<PluginLibrary> lib, attnrt_plan p) : lib_(std::move(lib)), plan_(p) {}
   ~PluginPlan() override { lib_->table->destroy_plan(plan_); }
   attnrt_plan handle() const { return plan_; }
+  // Held while one run of this plan is enqueued on a device (see run below).
+  std::mutex& launch_mutex() const { return launch_mu_; }
 
  private:
   std::shared_ptr<PluginLibrary> lib_;
   attnrt_plan plan_;
+  mutable std::mutex launch_mu_;
 };
 
 class PluginMemory : public DeviceMemory {
@@ -146,7 +150,17 @@ class PluginBackend : public Backend {
     attnrt_tensors c{to_c(t.q),     to_c(t.k_cache), to_c(t.v_cache),
                      to_c(t.out),   to_c(t.lse),     to_c(t.sink),
                      to_c(t.index_q), to_c(t.index_k_cache), to_c(t.topk)};
-    int32_t s = lib_->table->run(static_cast<const PluginPlan&>(plan).handle(), &c, nullptr);
+    const auto& pp = static_cast<const PluginPlan&>(plan);
+    int32_t s;
+    if (p.device.is_host()) {
+      s = lib_->table->run(pp.handle(), &c, nullptr);
+    } else {
+      // A device plan may keep scratch on the device (split partials, scores, counters) that
+      // each run reuses. Runs go to the device's default stream in enqueue order, so enqueuing
+      // one run's launches at a time keeps two threads' runs of one plan from interleaving.
+      std::lock_guard lock(pp.launch_mutex());
+      s = lib_->table->run(pp.handle(), &c, nullptr);
+    }
     if (s != ATTNRT_OK) fail(s, "run", p);
   }
 
