@@ -254,8 +254,10 @@ TEST(CpuParity, IndexTopkAsSet) {
     const bool decode = it % 2;
     p.op = decode ? Op::sparse_index_decode : Op::sparse_index_extend;
     p.q_dtype = p.kv_dtype = it % 3 == 0 ? DType::bf16 : (it % 3 == 1 ? DType::f32 : DType::f16);
-    p.page_size = (it % 4 == 0) ? 1 : 16;
-    p.num_index_heads = 1 + static_cast<int>(rng() % 3);
+    // Iterations 1 and 3: one index head (the single-row decode path), 3 with pages of 7 keys so
+    // that blocks of 16 span pages.
+    p.page_size = (it % 4 == 0) ? 1 : (it == 3 ? 7 : 16);
+    p.num_index_heads = decode && it < 4 ? 1 : 1 + static_cast<int>(rng() % 3);
     p.index_dim = 64;
     p.block_size = 16;
     p.topk = 1 + static_cast<int>(rng() % 12);

@@ -557,6 +557,61 @@ void prefetch_tile(KeyCursor cur, const TensorView& kc, const TensorView* vc, co
   }
 }
 
+// Block scores of ONE query row straight from the paged cache (the decode indexer with one index
+// head): no f32 tile, no broadcast of each score over a row vector. Keys 0 .. nkeys-1 of the
+// request, rows of bf16 or f32 converted in registers; q: [D] f32, pre-scaled, D a multiple of 16.
+// bm[c * bstride] = max over block c; with lse, bsum[c * bstride] = sum of exp(s - max).
+// Four keys per step (independent accumulators); every dot product is reduced by the same
+// fixed tree, so results do not depend on the page layout.
+ATTNRT_CLONES void index_row_scores(const float* q, int D, const TensorView& kc,
+                                    const int32_t* pages, int page_size, int64_t nkeys, int B,
+                                    bool lse, float* bm, float* bsum, int bstride) {
+  const bool bf16 = kc.dtype == DType::bf16;
+  const int64_t es = static_cast<int64_t>(dtype_size(kc.dtype));
+  auto row = [&](int64_t j) {
+    return elem_ptr(kc, pages[j / page_size] * kc.strides[0] + (j % page_size) * kc.strides[1]);
+  };
+  auto load16 = [&](const char* r, int x) {
+    if (!bf16) return loadv(reinterpret_cast<const float*>(r) + x);
+    vu16 h;
+    std::memcpy(&h, r + 2 * x, sizeof h);
+    const vi w = __builtin_convertvector(h, vi) << 16;
+    vf f;
+    std::memcpy(&f, &w, sizeof f);
+    return f;
+  };
+  float sc[4];
+  for (int64_t c0 = 0; c0 < nkeys; c0 += B) {
+    const int64_t c1 = std::min<int64_t>(c0 + B, nkeys);
+    float mx = kNegInf, sum = 0.f;
+    for (int64_t j = c0; j < c1; j += 4) {
+      const int n = static_cast<int>(std::min<int64_t>(4, c1 - j));
+      const char* r[4];
+      for (int i = 0; i < 4; ++i) r[i] = row(j + std::min(i, n - 1));
+      if (j + 4 < c1 && (j + 4) % page_size < 4)  // the next page's first rows
+        for (int64_t x = 0; x < D * es; x += 64) __builtin_prefetch(row(j + 4) + x);
+      vf a[4] = {};
+      for (int x = 0; x < D; x += W) {
+        const vf qv = loadv(q + x);
+        for (int i = 0; i < 4; ++i) a[i] += load16(r[i], x) * qv;
+      }
+      for (int i = 0; i < 4; ++i) sc[i] = hsum(a[i]);
+      float cm = kNegInf;
+      for (int i = 0; i < n; ++i) cm = std::max(cm, sc[i]);
+      if (lse) {
+        const float mn = std::max(mx, cm);
+        float add = 0.f;
+        for (int i = 0; i < n; ++i) add += std::exp(sc[i] - mn);
+        sum = (mx == kNegInf ? 0.f : sum * std::exp(mx - mn)) + add;
+      }
+      mx = std::max(mx, cm);
+    }
+    const int64_t c = c0 / B;
+    bm[c * bstride] = mx;
+    if (lse) bsum[c * bstride] = sum;
+  }
+}
+
 class CpuBackend final : public Backend {
  public:
   explicit CpuBackend(int threads) : pool_(threads) {}
@@ -932,6 +987,12 @@ class CpuBackend final : public Backend {
     }
     const std::pair<int64_t, int64_t> seg{0, last + 1};
     KeyCursor cur(&seg, 1);
+    if (qrow && it.nrows == 1 &&
+        (p.kv_dtype == DType::bf16 || p.kv_dtype == DType::f32) && t.index_k_cache.strides[3] == 1) {
+      index_row_scores(qrow, Di, t.index_k_cache, L.page_ids.data() + L.page_indptr[b], L.page_size,
+                       last + 1, B, lse, bm, bsum, Mp);
+      cur.si = cur.nseg;  // every key scored
+    }
     while (!cur.done()) {
       int npad = 0;
       const int n = fill_tile(cur, t.index_k_cache, nullptr, p.kv_dtype, L, b, 0, Di, kt, nullptr,
