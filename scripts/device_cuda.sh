@@ -40,6 +40,11 @@ if has bench; then
     tee "$OUT/bench_sparse.log" | grep -E "BENCH|FAIL"
   ATTNRT_GPU_BENCH=1 timeout 120 "$B/bin/attnrt_gpu_sm90_tests" --gtest_filter=*Bench* 2>&1 |
     tee "$OUT/bench_sm90.log" | grep -E "BENCH|FAIL"
+  # The same sparse shapes through the Runtime, with the fast path and without it.
+  ATTNRT_PLUGIN_PATH="$B/lib" timeout 120 "$B/bin/attnrt" bench --device cuda:0 \
+    --suite cuda-sparse 2>&1 | tee "$OUT/bench_cuda_sparse.log" | tail -14
+  ATTNRT_DISABLE=cuda_sm90 ATTNRT_PLUGIN_PATH="$B/lib" timeout 120 "$B/bin/attnrt" bench \
+    --device cuda:0 --suite cuda-sparse 2>&1 | tee "$OUT/bench_cuda_sparse_generic.log" | tail -14
 fi
 if has run; then
   export ATTNRT_PLUGIN_PATH="$B/lib"

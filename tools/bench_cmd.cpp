@@ -379,6 +379,22 @@ std::vector<CaseSpec> cuda_dense_suite() {
   return cases;
 }
 
+// MiniMax-M3 sparse layers per rank (16 q heads, 1 KV head, 1 index head, D = D_idx = 128,
+// block = page = 128, top-16, bf16): the indexer and sparse attend, decode at batch 1/16/64 and
+// 64k/128k context, and the extend of 8192 new tokens at 64k. Sparse attend selects the last 16
+// visible blocks of each row. (ATTNRT_DISABLE=cuda_sm90 times the generic CUDA kernels.)
+std::vector<CaseSpec> cuda_sparse_suite() {
+  std::vector<CaseSpec> cases;
+  for (auto [b, len] : {std::pair{1, 65536}, {1, 131072}, {16, 65536}, {64, 65536}, {64, 131072}}) {
+    const std::string shape = std::to_string(b) + "x" + std::to_string(len / 1024) + "k";
+    cases.push_back({"index decode " + shape, Op::sparse_index_decode, DType::bf16, b, 1, len});
+    cases.push_back({"attend decode " + shape, Op::sparse_attend_decode, DType::bf16, b, 1, len});
+  }
+  cases.push_back({"index extend 8192@64k", Op::sparse_index_extend, DType::bf16, 1, 8192, 65536});
+  cases.push_back({"attend extend 8192@64k", Op::sparse_attend_extend, DType::bf16, 1, 8192, 65536});
+  return cases;
+}
+
 }  // namespace
 
 void add_bench_command(CLI::App& app) {
@@ -387,7 +403,8 @@ void add_bench_command(CLI::App& app) {
   cmd->add_option("--suite", o->suite,
                   "named suite: cpu-m3 (minimax-m3-tp4 shapes, all ops; the default on cpu) or "
                   "cuda-dense (Hq=32 Hkv=8 d=128 prefill/decode, paged and contiguous; the "
-                  "default on cuda)");
+                  "default on cuda) or cuda-sparse (minimax-m3-tp4 indexer and sparse attend, "
+                  "decode at batch 1/16/64 x 64k/128k and extend 8192@64k)");
   cmd->add_option("--op", o->op, "a single custom case of this op (e.g. dense_extend)");
   cmd->add_option("--batch", o->batch, "custom case: requests")->capture_default_str();
   cmd->add_option("--q-len", o->q_len, "custom case: query tokens (0: kv_len for extend)");
@@ -442,8 +459,10 @@ void add_bench_command(CLI::App& app) {
         cases = cpu_m3_suite();
       else if (suite == "cuda-dense")
         cases = cuda_dense_suite();
+      else if (suite == "cuda-sparse")
+        cases = cuda_sparse_suite();
       else
-        throw InvalidArgument("bench: --suite '" + suite + "' unknown (expected cpu-m3 or cuda-dense)");
+        throw InvalidArgument("bench: --suite '" + suite + "' unknown (expected cpu-m3, cuda-dense or cuda-sparse)");
     }
     Ceilings ceil;
     std::string isa, blas_note;
