@@ -336,6 +336,17 @@ void ref_attend(const Batch& B, const SparseParams& S, const std::vector<int32_t
 
 // ---- device runs -------------------------------------------------------------------------------
 
+// Mean time of `timed` runs queued back to back after 3 warm-ups (host clock, warm L2).
+double queued_ms(const attnrt_plugin_v1* pg, attnrt_plan plan, const attnrt_tensors& ts, int timed) {
+  for (int i = 0; i < 3; ++i) pg->run(plan, &ts, nullptr);
+  pg->synchronize({1, 0});
+  auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < timed; ++i) pg->run(plan, &ts, nullptr);
+  pg->synchronize({1, 0});
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count() /
+         timed;
+}
+
 // Runs the indexer twice (poisoned output; repeats must be bit-identical) through `plug`
 // (default: the binary's plugin); *ms: mean time of `timed` queued runs after 3 warm-ups.
 std::vector<int32_t> run_index(const Batch& B, const SparseParams& S, const Paging& P, bool decode,
@@ -368,15 +379,7 @@ std::vector<int32_t> run_index(const Batch& B, const SparseParams& S, const Pagi
     if (rep == 0) first = out;
   }
   EXPECT_EQ(first, out) << "indexer repeat not bit-identical";
-  if (ms && timed > 0) {
-    for (int i = 0; i < 3; ++i) pg->run(plan, &ts, nullptr);
-    pg->synchronize({1, 0});
-    auto t0 = std::chrono::steady_clock::now();
-    for (int i = 0; i < timed; ++i) pg->run(plan, &ts, nullptr);
-    pg->synchronize({1, 0});
-    *ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count() /
-          timed;
-  }
+  if (ms && timed > 0) *ms = queued_ms(pg, plan, ts, timed);
   pg->destroy_plan(plan);
   return out;
 }
@@ -431,15 +434,7 @@ AttendOut run_attend(int op, const Batch& B, const SparseParams& S, const Paging
   }
   EXPECT_TRUE(first.o == r.o && std::memcmp(first.lse.data(), r.lse.data(), r.lse.size() * 4) == 0)
       << "attend repeat not bit-identical";
-  if (ms && timed > 0) {
-    for (int i = 0; i < 3; ++i) pg->run(plan, &ts, nullptr);
-    pg->synchronize({1, 0});
-    auto t0 = std::chrono::steady_clock::now();
-    for (int i = 0; i < timed; ++i) pg->run(plan, &ts, nullptr);
-    pg->synchronize({1, 0});
-    *ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count() /
-          timed;
-  }
+  if (ms && timed > 0) *ms = queued_ms(pg, plan, ts, timed);
   pg->destroy_plan(plan);
   return r;
 }
