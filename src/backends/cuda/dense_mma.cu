@@ -13,6 +13,7 @@
 // next tile is in flight while the current one is computed.
 #include "dense_kernels.h"
 
+#include "cuda_common/device_runtime.h"
 #include "cuda_common/mma_sm80.cuh"
 
 #include <cuda_bf16.h>
@@ -532,13 +533,6 @@ int decode_splits(int64_t base, int64_t slots, int64_t max_splits) {
     if (waves > 8) break;  // enough waves that the tail no longer matters
   }
   return best;
-}
-
-template <typename T>
-int32_t upload(T** dst, const T* src, size_t count, size_t capacity, char* err, size_t cap) {
-  DK_CK(cudaMalloc(reinterpret_cast<void**>(dst), sizeof(T) * std::max<size_t>(capacity, 1)));
-  if (count > 0) DK_CK(cudaMemcpy(*dst, src, sizeof(T) * count, cudaMemcpyHostToDevice));
-  return ATTNRT_OK;
 }
 
 template <typename T, int D>

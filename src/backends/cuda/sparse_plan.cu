@@ -8,10 +8,13 @@
 #include <new>
 #include <vector>
 
+#include "cuda_common/device_runtime.h"
 #include "sparse_kernels.h"
 
 namespace attnrt_cuda_sparse {
 namespace {
+
+using attnrt_cuda_common::upload;
 
 int32_t say(char* err, size_t cap, int32_t status, const char* fmt, ...)
     __attribute__((format(printf, 4, 5)));
@@ -60,14 +63,6 @@ void free_plan(SparsePlan* p) {
   delete p;
 }
 
-// Allocates room for max(count, capacity) elements and copies the first count.
-template <typename T>
-int32_t upload(T** dst, const T* src, size_t count, char* err, size_t cap, size_t capacity = 0) {
-  SCK(cudaMalloc(reinterpret_cast<void**>(dst), sizeof(T) * std::max<size_t>({count, capacity, 1})));
-  if (count > 0) SCK(cudaMemcpy(*dst, src, sizeof(T) * count, cudaMemcpyHostToDevice));
-  return ATTNRT_OK;
-}
-
 bool is_index_op(int32_t op) {
   return op == ATTNRT_OP_SPARSE_INDEX_EXTEND || op == ATTNRT_OP_SPARSE_INDEX_DECODE;
 }
@@ -86,10 +81,11 @@ int32_t plan_impl(const attnrt_problem* p, const attnrt_layout* L, int sms, Spar
   const int total_pages = L->page_indptr[n];
   // Decode: room for growth, so that update() absorbs the next steps in place.
   pl->page_capacity = decode ? std::max(2 * total_pages, total_pages + 16 * n) : total_pages;
-  if (upload(&pl->d_q_len, L->q_len, n, err, cap) || upload(&pl->d_kv_len, L->kv_len, n, err, cap) ||
-      upload(&pl->d_q_indptr, L->q_indptr, n + 1, err, cap) ||
-      upload(&pl->d_page_indptr, L->page_indptr, n + 1, err, cap) ||
-      upload(&pl->d_page_ids, L->page_ids, total_pages, err, cap, pl->page_capacity))
+  if (upload(&pl->d_q_len, L->q_len, n, 0, err, cap) ||
+      upload(&pl->d_kv_len, L->kv_len, n, 0, err, cap) ||
+      upload(&pl->d_q_indptr, L->q_indptr, n + 1, 0, err, cap) ||
+      upload(&pl->d_page_indptr, L->page_indptr, n + 1, 0, err, cap) ||
+      upload(&pl->d_page_ids, L->page_ids, total_pages, pl->page_capacity, err, cap))
     return ATTNRT_INTERNAL;
   const int B = p->block_size;
   std::vector<int32_t> tok_req(pl->T);
@@ -130,9 +126,9 @@ int32_t plan_impl(const attnrt_problem* p, const attnrt_layout* L, int sms, Spar
       }
     }
     pl->num_items = static_cast<int>(items.size());
-    if (upload(&pl->d_score_base, base.data(), n, err, cap) ||
-        upload(&pl->d_row_req, tok_req.data(), tok_req.size(), err, cap) ||
-        upload(&pl->d_items, items.data(), items.size(), err, cap))
+    if (upload(&pl->d_score_base, base.data(), n, 0, err, cap) ||
+        upload(&pl->d_row_req, tok_req.data(), tok_req.size(), 0, err, cap) ||
+        upload(&pl->d_items, items.data(), items.size(), 0, err, cap))
       return ATTNRT_INTERNAL;
     SCK(cudaMalloc(reinterpret_cast<void**>(&pl->d_scores),
                    sizeof(float) * std::max<int64_t>(base[n], 1)));
@@ -161,8 +157,8 @@ int32_t plan_impl(const attnrt_problem* p, const attnrt_layout* L, int sms, Spar
     pl->per_split = E;
     pl->nsplit = 1;
   }
-  if (upload(&pl->d_row_req, row_req.data(), row_req.size(), err, cap) ||
-      upload(&pl->d_row_pos, row_pos.data(), row_pos.size(), err, cap))
+  if (upload(&pl->d_row_req, row_req.data(), row_req.size(), 0, err, cap) ||
+      upload(&pl->d_row_pos, row_pos.data(), row_pos.size(), 0, err, cap))
     return ATTNRT_INTERNAL;
   if (pl->nsplit > 1) {
     const size_t slots = static_cast<size_t>(pl->rows) * pl->nsplit * p->num_q_heads;

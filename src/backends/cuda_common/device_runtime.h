@@ -131,4 +131,15 @@ class DeviceRuntime {
   std::vector<DeviceInfo> devices_;
 };
 
+// Allocates device room for max(count, capacity, 1) elements and copies the first `count` from
+// the host (plans keep room to grow in place). ATTNRT_INTERNAL with the runtime's error on failure.
+template <typename T>
+int32_t upload(T** dst, const T* src, size_t count, size_t capacity, char* err, size_t cap) {
+  cudaError_t e = cudaMalloc(reinterpret_cast<void**>(dst), sizeof(T) * std::max<size_t>({count, capacity, 1}));
+  if (e == cudaSuccess && count > 0) e = cudaMemcpy(*dst, src, sizeof(T) * count, cudaMemcpyHostToDevice);
+  if (e == cudaSuccess) return ATTNRT_OK;
+  return DeviceRuntime::say(err, cap, ATTNRT_INTERNAL, "upload of %zu elements: %s (%s)", count,
+                            cudaGetErrorName(e), cudaGetErrorString(e));
+}
+
 }  // namespace attnrt_cuda_common

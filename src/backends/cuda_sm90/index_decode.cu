@@ -18,6 +18,7 @@
 #include <attnrt/plugin.h>
 
 #include "cuda_common/block_topk.cuh"
+#include "cuda_common/mma_sm80.cuh"
 #include "index_decode.h"
 
 namespace attnrt_cuda_sm90 {
@@ -28,18 +29,16 @@ constexpr int kStages = 2;
 constexpr int kPageBytes = kBlock * kDim * 2;
 static_assert(kStages * kPageBytes >= kMaxBlocks * 4, "the last CTA's scores reuse the stages");
 using TopK = attnrt_cuda_common::BlockTopK<kThreads>;
+using attnrt_cuda_common::smem_u32;
 
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
 __device__ __forceinline__ void bar_init(uint64_t* bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count) : "memory");
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count) : "memory");
 }
 __device__ __forceinline__ void bar_init_fence() {
   asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
 }
 __device__ __forceinline__ void bar_expect_tx(uint64_t* bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)),
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)),
                "r"(bytes)
                : "memory");
 }
@@ -50,7 +49,7 @@ __device__ __forceinline__ void bar_wait(uint64_t* bar, uint32_t parity) {
       "WAIT:\n"
       "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
       "@!done bra WAIT;\n"
-      "}\n" ::"r"(smem_addr(bar)),
+      "}\n" ::"r"(smem_u32(bar)),
       "r"(parity)
       : "memory");
 }
@@ -58,8 +57,8 @@ __device__ __forceinline__ void bar_wait(uint64_t* bar, uint32_t parity) {
 __device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
   asm volatile(
       "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-          smem_addr(dst)),
-      "l"(src), "r"(bytes), "r"(smem_addr(bar))
+          smem_u32(dst)),
+      "l"(src), "r"(bytes), "r"(smem_u32(bar))
       : "memory");
 }
 

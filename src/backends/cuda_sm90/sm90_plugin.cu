@@ -30,6 +30,7 @@
 
 namespace {
 
+using attnrt_cuda_common::upload;
 using attnrt_cuda_sm90::kBlock;
 using attnrt_cuda_sm90::kDim;
 using attnrt_cuda_sm90::kHeadDim;
@@ -129,13 +130,6 @@ int32_t p_probe(const attnrt_problem* p) {
   return ATTNRT_OK;
 }
 
-template <typename T>
-int32_t upload(T** dst, const T* src, size_t count, size_t capacity) {
-  CK(cudaMalloc(reinterpret_cast<void**>(dst), sizeof(T) * std::max<size_t>({count, capacity, 1})));
-  if (count > 0) CK(cudaMemcpy(*dst, src, sizeof(T) * count, cudaMemcpyHostToDevice));
-  return ATTNRT_OK;
-}
-
 // Checks a layout against the plan's room; OK when it fits.
 int32_t check_layout(const attnrt_layout* L, int block_capacity, int page_capacity) {
   const int n = L->num_requests;
@@ -175,9 +169,10 @@ int32_t plan_impl(const attnrt_problem* p, const attnrt_layout* L, Sm90Plan* pl)
                                    attnrt_cuda_sm90::kMaxBlocksPerCta);
   pl->ctas_per_request = (pl->block_capacity + pl->blocks_per_cta - 1) / pl->blocks_per_cta;
   CK(cudaSetDevice(p->device.index));
-  if (upload(&pl->d_kv_len, L->kv_len, n, 0) ||
-      upload(&pl->d_page_indptr, L->page_indptr, n + 1, 0) ||
-      upload(&pl->d_page_ids, L->page_ids, total_pages, pl->page_capacity))
+  if (upload(&pl->d_kv_len, L->kv_len, n, 0, g_error, sizeof g_error) ||
+      upload(&pl->d_page_indptr, L->page_indptr, n + 1, 0, g_error, sizeof g_error) ||
+      upload(&pl->d_page_ids, L->page_ids, total_pages, pl->page_capacity, g_error,
+             sizeof g_error))
     return ATTNRT_INTERNAL;
   CK(cudaMalloc(reinterpret_cast<void**>(&pl->d_counters), sizeof(int32_t) * std::max(n, 1)));
   CK(cudaMemset(pl->d_counters, 0, sizeof(int32_t) * std::max(n, 1)));
