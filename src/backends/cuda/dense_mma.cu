@@ -13,6 +13,7 @@
 // next tile is in flight while the current one is computed.
 #include "dense_kernels.h"
 
+#include "cuda_common/attend_tensors.h"
 #include "cuda_common/device_runtime.h"
 #include "cuda_common/mma_sm80.cuh"
 
@@ -46,14 +47,7 @@ int32_t set_err(char* err, size_t cap, int32_t status, const char* what, cudaErr
     if (e_ != cudaSuccess) return set_err(err, cap, ATTNRT_INTERNAL, #call, e_); \
   } while (0)
 
-struct Args {
-  const void* q;
-  const void* kc;
-  const void* vc;
-  void* out;
-  float* lse;
-  const float* sink;
-  int64_t q_s0, q_s1, o_s0, o_s1, k_s0, k_s1, k_s2, v_s0, v_s1, v_s2, lse_s0;
+struct Args : AttendTensors {
   int hq, group, page_size, page_shift;  // page_shift: log2(page_size), or -1
   float scale_log2;
   // Device metadata of the plan.
@@ -686,23 +680,7 @@ int32_t run(attnrt_plan plan, const attnrt_tensors* t, void* stream, char* err, 
   const DensePlan& pl = *reinterpret_cast<const DensePlan*>(plan);
   const attnrt_problem& p = pl.problem;
   Args a{};
-  a.q = t->q.data;
-  a.kc = t->k_cache.data;
-  a.vc = t->v_cache.data;
-  a.out = t->out.data;
-  a.lse = p.write_lse ? static_cast<float*>(t->lse.data) : nullptr;
-  a.sink = p.has_sink ? static_cast<const float*>(t->sink.data) : nullptr;
-  a.q_s0 = t->q.strides[0];
-  a.q_s1 = t->q.strides[1];
-  a.o_s0 = t->out.strides[0];
-  a.o_s1 = t->out.strides[1];
-  a.k_s0 = t->k_cache.strides[0];
-  a.k_s1 = t->k_cache.strides[1];
-  a.k_s2 = t->k_cache.strides[2];
-  a.v_s0 = t->v_cache.strides[0];
-  a.v_s1 = t->v_cache.strides[1];
-  a.v_s2 = t->v_cache.strides[2];
-  a.lse_s0 = a.lse ? t->lse.strides[0] : 0;
+  static_cast<AttendTensors&>(a) = attend_tensors(*t, p);
   a.hq = p.num_q_heads;
   a.group = p.num_q_heads / p.num_kv_heads;
   a.page_size = p.page_size;

@@ -8,6 +8,8 @@
 
 #include <attnrt/plugin.h>
 
+#include "cuda_common/attend_tensors.h"
+
 #include <cstddef>
 #include <cstdint>
 
@@ -60,16 +62,7 @@ struct IndexArgs {
   int64_t total_tokens;
 };
 
-struct AttendArgs {
-  const void* q;  // [T, Hq, D]
-  const void* kc;
-  const void* vc;
-  void* out;
-  float* lse;
-  const float* sink;
-  const int32_t* topk;  // [H_idx, T, K]
-  int64_t q_s0, q_s1, o_s0, o_s1, k_s0, k_s1, k_s2, v_s0, v_s1, v_s2, lse_s0;
-  int64_t t_s0, t_s1, t_s2;
+struct AttendArgs : attnrt_cuda_common::AttendTensors {
   int hq, hkv, group, htiles, D, B, K, R, page_size, nsplit, per_split;
   float scale_log2;  // sm_scale * log2(e)
   const int32_t* row_req;  // per row

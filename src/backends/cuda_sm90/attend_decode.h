@@ -4,20 +4,16 @@
 
 #include <cstdint>
 
+#include "cuda_common/attend_tensors.h"
+
 namespace attnrt_cuda_sm90 {
 
 constexpr int kHeads = 16;   // query heads (one KV head)
 constexpr int kHeadDim = 128;
 
-struct AttendDecodeArgs {
-  const void* q;    // [n, 16, 128]
-  const void* kc;   // [pages, 128, 1, 128]
-  const void* vc;
-  void* out;        // [n, 16, 128]
-  float* lse;       // [n, 16] or null
-  const float* sink;  // [16] or null
-  const int32_t* topk;  // [1, n, 16]
-  int64_t q_s0, q_s1, o_s0, o_s1, k_s0, k_s1, v_s0, v_s1, lse_s0, t_s1, t_s2;
+// Tensors: q and out [n, 16, 128], caches [pages, 128, 1, 128], lse [n, 16], sink [16],
+// topk [1, n, 16].
+struct AttendDecodeArgs : attnrt_cuda_common::AttendTensors {
   const int32_t* kv_len;
   const int32_t* page_indptr;
   const int32_t* page_ids;
