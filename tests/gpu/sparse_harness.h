@@ -142,6 +142,23 @@ std::vector<uint16_t> to_pool(const Batch& B, const Paging& P, const std::vector
   return pool;
 }
 
+// A decode step of shorter contexts than (Bmax, Pmax): the same data, kv_len = kv, and each
+// request's first pages of Pmax (as a cache holds them while the sequences grow).
+void shorter_step(const Batch& Bmax, const Paging& Pmax, const std::vector<int32_t>& kv, Batch* B,
+                  Paging* P) {
+  *B = Bmax;
+  B->kv_len = kv;
+  *P = Pmax;
+  P->page_indptr.assign(1, 0);
+  P->page_ids.clear();
+  for (size_t b = 0; b < kv.size(); ++b) {
+    const int np = (kv[b] + P->ps - 1) / P->ps;
+    P->page_ids.insert(P->page_ids.end(), Pmax.page_ids.begin() + Pmax.page_indptr[b],
+                       Pmax.page_ids.begin() + Pmax.page_indptr[b] + np);
+    P->page_indptr.push_back(static_cast<int32_t>(P->page_ids.size()));
+  }
+}
+
 attnrt_layout layout_of(const Batch& B, const Paging& P) {
   return attnrt_layout{static_cast<int32_t>(B.q_len.size()), P.ps, B.q_len.data(), B.kv_len.data(),
                        B.q_indptr.data(), P.page_indptr.data(), P.page_ids.data(), 0};

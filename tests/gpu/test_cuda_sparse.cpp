@@ -239,17 +239,7 @@ TEST(CudaSparse, DecodeGraphReplaysWithNewLengths) {
   const Paging Pmax = make_paging(Bmax, 64, 5);
   // The layout of shorter contexts: each request's first pages of the longest layout.
   auto step = [&](const std::vector<int32_t>& kv, Batch* B, Paging* P) {
-    *B = Bmax;
-    B->kv_len = kv;
-    *P = Pmax;
-    P->page_indptr.assign(1, 0);
-    P->page_ids.clear();
-    for (size_t b = 0; b < kv.size(); ++b) {
-      const int np = (kv[b] + P->ps - 1) / P->ps;
-      P->page_ids.insert(P->page_ids.end(), Pmax.page_ids.begin() + Pmax.page_indptr[b],
-                         Pmax.page_ids.begin() + Pmax.page_indptr[b] + np);
-      P->page_indptr.push_back(static_cast<int32_t>(P->page_ids.size()));
-    }
+    shorter_step(Bmax, Pmax, kv, B, P);
   };
   const std::vector<std::vector<int32_t>> steps = {
       {2800, 4900, 1000}, {2801, 4901, 1001}, {2880, 4990, 1090}, {3000, 5000, 1300}};
