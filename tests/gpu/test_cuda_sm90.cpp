@@ -203,14 +203,11 @@ TEST(CudaSm90, GraphReplaysWithNewLengths) {
   const std::vector<int32_t> longest = {9000, 30000, 2100};
   const Batch Bmax = make_batch(ATTNRT_BF16, 16, 1, 1, 128, 128, {1, 1, 1}, longest, 31);
   const Paging Pmax = make_paging(Bmax, 128, 5);
-  auto step = [&](const std::vector<int32_t>& kv, Batch* B, Paging* P) {
-    shorter_step(Bmax, Pmax, kv, B, P);
-  };
   const std::vector<std::vector<int32_t>> steps = {
       {8000, 29000, 1900}, {8001, 29001, 1901}, {8300, 29500, 2048}, {9000, 30000, 2100}};
   Batch B;
   Paging P;
-  step(steps[0], &B, &P);
+  shorter_step(Bmax, Pmax, steps[0], &B, &P);
   attnrt_layout L = layout_of(B, P);
   const attnrt_problem pi = problem_of(ATTNRT_OP_SPARSE_INDEX_DECODE, B, S, 128);
   SparseParams Sa = S;
@@ -257,7 +254,7 @@ TEST(CudaSm90, GraphReplaysWithNewLengths) {
   ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
   for (size_t i = 0; i < steps.size(); ++i) {
     SCOPED_TRACE(i);
-    step(steps[i], &B, &P);
+    shorter_step(Bmax, Pmax, steps[i], &B, &P);
     L = layout_of(B, P);
     if (i > 0) {
       ASSERT_EQ(g_plugin->update_plan(plan, &L), ATTNRT_OK) << g_plugin->last_error();

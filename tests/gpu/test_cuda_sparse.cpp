@@ -238,14 +238,11 @@ TEST(CudaSparse, DecodeGraphReplaysWithNewLengths) {
   const Batch Bmax = make_batch(ATTNRT_BF16, 16, 1, 1, 128, 128, {1, 1, 1}, longest, 31);
   const Paging Pmax = make_paging(Bmax, 64, 5);
   // The layout of shorter contexts: each request's first pages of the longest layout.
-  auto step = [&](const std::vector<int32_t>& kv, Batch* B, Paging* P) {
-    shorter_step(Bmax, Pmax, kv, B, P);
-  };
   const std::vector<std::vector<int32_t>> steps = {
       {2800, 4900, 1000}, {2801, 4901, 1001}, {2880, 4990, 1090}, {3000, 5000, 1300}};
   Batch B;
   Paging P;
-  step(steps[0], &B, &P);
+  shorter_step(Bmax, Pmax, steps[0], &B, &P);
   attnrt_layout L = layout_of(B, P);
   const attnrt_problem pi = problem_of(ATTNRT_OP_SPARSE_INDEX_DECODE, B, S, P.ps);
   const attnrt_problem pa = problem_of(ATTNRT_OP_SPARSE_ATTEND_DECODE, B, S, P.ps);
@@ -286,7 +283,7 @@ TEST(CudaSparse, DecodeGraphReplaysWithNewLengths) {
   ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
   for (size_t i = 0; i < steps.size(); ++i) {
     SCOPED_TRACE(i);
-    step(steps[i], &B, &P);
+    shorter_step(Bmax, Pmax, steps[i], &B, &P);
     L = layout_of(B, P);
     if (i > 0) {
       ASSERT_EQ(g_plugin->update_plan(plan_i, &L), ATTNRT_OK) << g_plugin->last_error();
