@@ -985,20 +985,21 @@ class CpuBackend final : public Backend {
       for (int x = 0; x < Di; ++x) qrow_buf[x] = qT[x * Mp];
       qrow = qrow_buf.data();
     }
-    const std::pair<int64_t, int64_t> seg{0, last + 1};
-    KeyCursor cur(&seg, 1);
-    if (qrow && it.nrows == 1 &&
-        (p.kv_dtype == DType::bf16 || p.kv_dtype == DType::f32) && t.index_k_cache.strides[3] == 1) {
+    if (qrow && (p.kv_dtype == DType::bf16 || p.kv_dtype == DType::f32) &&
+        t.index_k_cache.strides[3] == 1) {
+      // One row (qrow implies M == 1): scored straight from the cache.
       index_row_scores(qrow, Di, t.index_k_cache, L.page_ids.data() + L.page_indptr[b], L.page_size,
                        last + 1, B, lse, bm, bsum, Mp);
-      cur.si = cur.nseg;  // every key scored
-    }
-    while (!cur.done()) {
-      int npad = 0;
-      const int n = fill_tile(cur, t.index_k_cache, nullptr, p.kv_dtype, L, b, 0, Di, kt, nullptr,
-                              jpos, &npad);
-      prefetch_tile(cur, t.index_k_cache, nullptr, L, b, 0, Di);
-      index_tile(MV, qT, qrow, Di, rowpos, kt, jpos, npad, n, sT, B, lse, bm, bsum);
+    } else {
+      const std::pair<int64_t, int64_t> seg{0, last + 1};
+      KeyCursor cur(&seg, 1);
+      while (!cur.done()) {
+        int npad = 0;
+        const int n = fill_tile(cur, t.index_k_cache, nullptr, p.kv_dtype, L, b, 0, Di, kt,
+                                nullptr, jpos, &npad);
+        prefetch_tile(cur, t.index_k_cache, nullptr, L, b, 0, Di);
+        index_tile(MV, qT, qrow, Di, rowpos, kt, jpos, npad, n, sT, B, lse, bm, bsum);
+      }
     }
     for (int r = 0; r < M; ++r) {
       const int tok = r / hc, h = it.g + r % hc;
