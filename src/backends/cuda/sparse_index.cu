@@ -182,11 +182,7 @@ __global__ void __launch_bounds__(kTopkThreads) index_topk_kernel(IndexArgs a) {
   }
   const int init_b = a.init_blocks, local_from = nvis - a.local_blocks;
   auto key = [&](int c) {
-    float v = srow[c];
-    if (v != v) v = -1e30f;
-    if (c < init_b) v = 1e30f;
-    if (c >= local_from) v = 1e29f;
-    return attnrt_cuda_common::ordered_key(v);
+    return attnrt_cuda_common::block_score_key(srow[c], c, init_b, local_from);
   };
   TopK::select(storage, nvis, keff, key, [&](int i, int c) { out[i * a.t_s2] = c; });
 }

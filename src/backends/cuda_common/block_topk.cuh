@@ -19,6 +19,17 @@ __device__ __forceinline__ uint32_t ordered_key(float f) {
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
+// The selection key of block c of a row whose visible blocks end at local_from + local_blocks
+// (spec/minimax-sparse.md §3): NaN scores rank as -1e30, the first init_blocks are forced to
+// 1e30, blocks c >= local_from to 1e29 (local overrides init).
+__device__ __forceinline__ uint32_t block_score_key(float v, int c, int init_blocks,
+                                                    int local_from) {
+  if (v != v) v = -1e30f;
+  if (c < init_blocks) v = 1e30f;
+  if (c >= local_from) v = 1e29f;
+  return ordered_key(v);
+}
+
 template <int THREADS>
 struct BlockTopK {
   using Scan = cub::BlockScan<int, THREADS>;

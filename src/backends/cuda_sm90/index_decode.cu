@@ -185,11 +185,7 @@ __global__ void __launch_bounds__(kThreads) index_decode_kernel(IndexDecodeArgs 
   __syncthreads();
   const int init_b = a.init_blocks, local_from = nvis - a.local_blocks;
   auto key = [&](int c) {
-    float v = sc[c];
-    if (v != v) v = -1e30f;
-    if (c < init_b) v = 1e30f;
-    if (c >= local_from) v = 1e29f;
-    return attnrt_cuda_common::ordered_key(v);
+    return attnrt_cuda_common::block_score_key(sc[c], c, init_b, local_from);
   };
   TopK::select(topk_storage, nvis, keff, key, [&](int k, int c) { out[k * a.t_s2] = c; });
 }

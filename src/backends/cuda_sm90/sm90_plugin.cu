@@ -1,13 +1,16 @@
 // attnrt Hopper fast-path plugin (libattnrt_cuda_sm90.so, backend "cuda_sm90"). Includes only
 // the plugin C ABI.
 //
-// It serves the two decode ops of MiniMax-M3's sparse layers at the production shape (block =
+// It serves the four sparse ops of MiniMax-M3's sparse layers at the production shape (block =
 // page = 128, top-16 of one index head, index_dim 128 with score max; 16 query heads on one KV
-// head, head_dim 128; bf16/f16) on compute capability 9.x, each with one fused launch:
+// head, head_dim 128; bf16/f16) on compute capability 9.x. Decode, one fused launch each:
 // sparse_index_decode (index_decode.cu: bulk-copy page loads, block scores and the top-k in one
 // kernel) and sparse_attend_decode (attend_decode.cu: one CTA per selected block on tensor cores,
-// the last CTA of a request merging the splits). Anything else its probe refuses by name, and the
-// generic "cuda" plugin (priority 200) serves it. Priority 300: tried before the generic plugin.
+// the last CTA of a request merging the splits). Extend: sparse_index_extend (index_extend.cu:
+// 128-token tiles scored on tensor cores, then a top-k kernel) and sparse_attend_extend
+// (attend_extend.cu: one CTA per token, its selected keys pipelined in 64-key chunks). Anything
+// else its probe refuses by name, and the generic "cuda" plugin (priority 200) serves it.
+// Priority 300: tried before the generic plugin.
 //
 // Contract notes: cudart is linked statically (loads without a driver; init() then reports why);
 // device properties are read once in init(); plan() allocates every device buffer the op needs
@@ -25,8 +28,10 @@
 #include <vector>
 
 #include "attend_decode.h"
+#include "attend_extend.h"
 #include "cuda_common/device_runtime.h"
 #include "index_decode.h"
+#include "index_extend.h"
 
 namespace {
 
@@ -61,23 +66,38 @@ attnrt_cuda_common::DeviceRuntime g_rt("cuda_sm90");
 
 int32_t check_device(attnrt_device d) { return g_rt.check(d, g_error, sizeof g_error); }
 
-// A decode plan: device copies of the layout (with room to grow), the per-request completion
-// counters of the fused kernels, and the indexer's score matrix or attend's split partials.
+bool is_decode(int32_t op) {
+  return op == ATTNRT_OP_SPARSE_INDEX_DECODE || op == ATTNRT_OP_SPARSE_ATTEND_DECODE;
+}
+bool is_index(int32_t op) {
+  return op == ATTNRT_OP_SPARSE_INDEX_DECODE || op == ATTNRT_OP_SPARSE_INDEX_EXTEND;
+}
+
+// A plan: device copies of the layout (decode: with room to grow), the per-request completion
+// counters of the fused decode kernels, the indexer's score matrix or attend's split partials,
+// and for extend the per-token request/position tables and the indexer's work items.
 struct Sm90Plan {
   attnrt_problem problem{};
   int n = 0;
+  int64_t tokens = 0;
   int page_capacity = 0, block_capacity = 0;
-  int blocks_per_cta = 2, ctas_per_request = 1;  // indexer
+  int blocks_per_cta = 2, ctas_per_request = 1;  // decode indexer
+  int num_items = 0;                             // extend indexer
   int32_t *d_kv_len = nullptr, *d_page_indptr = nullptr, *d_page_ids = nullptr;
   int32_t* d_counters = nullptr;
   float* d_scores = nullptr;                              // indexer
-  float *d_part_o = nullptr, *d_part_lse = nullptr;       // attend
+  float *d_part_o = nullptr, *d_part_lse = nullptr;       // decode attend
+  int32_t *d_q_len = nullptr, *d_row_req = nullptr, *d_row_pos = nullptr;  // extend
+  int64_t *d_q_indptr = nullptr, *d_score_base = nullptr;
+  attnrt_cuda_sm90::IndexExtendItem* d_items = nullptr;
 };
 
 void free_plan(Sm90Plan* p) {
   if (!p) return;
-  void* bufs[] = {p->d_kv_len, p->d_page_indptr, p->d_page_ids, p->d_counters,
-                  p->d_scores, p->d_part_o,      p->d_part_lse};
+  void* bufs[] = {p->d_kv_len,   p->d_page_indptr, p->d_page_ids,  p->d_counters,
+                  p->d_scores,   p->d_part_o,      p->d_part_lse,  p->d_q_len,
+                  p->d_row_req,  p->d_row_pos,     p->d_q_indptr,  p->d_score_base,
+                  p->d_items};
   for (void* b : bufs) cudaFree(b);
   delete p;
 }
@@ -103,11 +123,12 @@ int32_t p_probe(const attnrt_problem* p) {
   static const char* const kOps[] = {"dense_extend",         "dense_decode",
                                      "sparse_index_extend",  "sparse_index_decode",
                                      "sparse_attend_extend", "sparse_attend_decode"};
-  const bool index = p->op == ATTNRT_OP_SPARSE_INDEX_DECODE;
-  if (!index && p->op != ATTNRT_OP_SPARSE_ATTEND_DECODE)  // plugin.h's wording for such ops
+  const bool index = is_index(p->op);
+  if (!index && p->op != ATTNRT_OP_SPARSE_ATTEND_DECODE &&
+      p->op != ATTNRT_OP_SPARSE_ATTEND_EXTEND)  // plugin.h's wording for such ops
     return fail(ATTNRT_UNAVAILABLE,
-                "op not served: cuda_sm90 serves sparse_index_decode and sparse_attend_decode, "
-                "not %s",
+                "op not served: cuda_sm90 serves the sparse ops (index and attend, extend and "
+                "decode), not %s",
                 p->op >= 0 && p->op < 6 ? kOps[p->op] : "an unknown op");
   need(dev.major == 9, "compute capability %d.%d (needs 9.x: Hopper bulk copies)", dev.major,
        dev.minor);
@@ -147,10 +168,67 @@ int32_t check_layout(const attnrt_layout* L, int block_capacity, int page_capaci
   return ATTNRT_OK;
 }
 
+// Extend: per-token tables; the indexer's score matrices and work items (128-token tiles x
+// ranges of 16 blocks, only blocks some token of the tile can see).
+int32_t plan_extend(const attnrt_problem* p, const attnrt_layout* L, Sm90Plan* pl) {
+  using attnrt_cuda_sm90::IndexExtendItem;
+  using attnrt_cuda_sm90::kIndexItemBlocks;
+  using attnrt_cuda_sm90::kIndexTileRows;
+  const int n = L->num_requests;
+  const int64_t T = L->q_indptr[n];
+  pl->tokens = T;
+  std::vector<int32_t> row_req(T), row_pos(T);
+  std::vector<int64_t> score_base(n, 0);
+  std::vector<IndexExtendItem> items;
+  int64_t scores = 0;
+  for (int b = 0; b < n; ++b) {
+    const int ql = L->q_len[b], kv = L->kv_len[b];
+    if (ql > kv)
+      return fail(ATTNRT_INVALID, "request %d: q_len %d exceeds kv_len %d", b, ql, kv);
+    const int nblk = (kv + kBlock - 1) / kBlock;
+    for (int t = 0; t < ql; ++t) {
+      row_req[L->q_indptr[b] + t] = b;
+      row_pos[L->q_indptr[b] + t] = kv - ql + t;
+    }
+    score_base[b] = scores;
+    scores += static_cast<int64_t>(ql) * nblk;
+    for (int t0 = 0; t0 < ql; t0 += kIndexTileRows) {
+      const int last = kv - ql + std::min(t0 + kIndexTileRows, ql) - 1;
+      const int vis = last / kBlock + 1;
+      for (int c0 = 0; c0 < vis; c0 += kIndexItemBlocks)
+        items.push_back({b, t0, c0, std::min(c0 + kIndexItemBlocks, vis)});
+    }
+  }
+  pl->num_items = static_cast<int>(items.size());
+  const int total_pages = L->page_indptr[n];
+  CK(cudaSetDevice(p->device.index));
+  char* e = g_error;
+  const size_t ec = sizeof g_error;
+  if (upload(&pl->d_page_indptr, L->page_indptr, n + 1, 0, e, ec) ||
+      upload(&pl->d_page_ids, L->page_ids, total_pages, 0, e, ec) ||
+      upload(&pl->d_row_req, row_req.data(), T, 0, e, ec))
+    return ATTNRT_INTERNAL;
+  if (is_index(p->op)) {
+    std::vector<int64_t> q_indptr(L->q_indptr, L->q_indptr + n + 1);
+    if (upload(&pl->d_q_len, L->q_len, n, 0, e, ec) ||
+        upload(&pl->d_kv_len, L->kv_len, n, 0, e, ec) ||
+        upload(&pl->d_q_indptr, q_indptr.data(), n + 1, 0, e, ec) ||
+        upload(&pl->d_score_base, score_base.data(), n, 0, e, ec) ||
+        upload(&pl->d_items, items.data(), items.size(), 0, e, ec))
+      return ATTNRT_INTERNAL;
+    CK(cudaMalloc(reinterpret_cast<void**>(&pl->d_scores),
+                  sizeof(float) * std::max<int64_t>(1, scores)));
+  } else if (upload(&pl->d_row_pos, row_pos.data(), T, 0, e, ec)) {
+    return ATTNRT_INTERNAL;
+  }
+  return ATTNRT_OK;
+}
+
 int32_t plan_impl(const attnrt_problem* p, const attnrt_layout* L, Sm90Plan* pl) {
   const int n = L->num_requests;
   pl->problem = *p;
   pl->n = n;
+  if (!is_decode(p->op)) return plan_extend(p, L, pl);
   int max_blk = 1;
   for (int b = 0; b < n; ++b) max_blk = std::max(max_blk, (L->kv_len[b] + kBlock - 1) / kBlock);
   // Room for 16 more blocks than the longest request, so update_plan absorbs later steps.
@@ -230,6 +308,32 @@ int32_t run_index(const Sm90Plan& pl, const attnrt_tensors* t, void* stream) {
                 static_cast<long long>(ik.strides[2]), static_cast<long long>(ik.strides[3]));
   if (!rows_aligned(iq)) return fail(ATTNRT_UNAVAILABLE, "cuda_sm90 needs 16-byte aligned index_q rows");
   CK(cudaSetDevice(p.device.index));
+  if (p.op == ATTNRT_OP_SPARSE_INDEX_EXTEND) {
+    attnrt_cuda_sm90::IndexExtendArgs a{};
+    a.q = iq.data;
+    a.kc = ik.data;
+    a.q_s0 = iq.strides[0];
+    a.k_s0 = ik.strides[0];
+    a.q_len = pl.d_q_len;
+    a.kv_len = pl.d_kv_len;
+    a.q_indptr = pl.d_q_indptr;
+    a.page_indptr = pl.d_page_indptr;
+    a.page_ids = pl.d_page_ids;
+    a.score_base = pl.d_score_base;
+    a.row_req = pl.d_row_req;
+    a.items = pl.d_items;
+    a.num_items = pl.num_items;
+    a.total_tokens = pl.tokens;
+    a.scores = pl.d_scores;
+    a.topk = static_cast<int32_t*>(tk.data);
+    a.t_s1 = tk.strides[1];
+    a.t_s2 = tk.strides[2];
+    a.init_blocks = p.init_blocks;
+    a.local_blocks = p.local_blocks;
+    a.scale = p.index_scale;
+    CK(static_cast<cudaError_t>(attnrt_cuda_sm90::launch_index_extend(a, p.q_dtype, stream)));
+    return ATTNRT_OK;
+  }
   attnrt_cuda_sm90::IndexDecodeArgs a{};
   a.q = iq.data;
   a.kc = ik.data;
@@ -269,6 +373,18 @@ int32_t run_attend(const Sm90Plan& pl, const attnrt_tensors* t, void* stream) {
     return fail(ATTNRT_INVALID, "lse must be present with unit innermost stride");
   if (p.has_sink && !t->sink.data) return fail(ATTNRT_INVALID, "sink missing");
   CK(cudaSetDevice(p.device.index));
+  if (p.op == ATTNRT_OP_SPARSE_ATTEND_EXTEND) {
+    attnrt_cuda_sm90::AttendExtendArgs a{};
+    static_cast<attnrt_cuda_common::AttendTensors&>(a) = attnrt_cuda_common::attend_tensors(*t, p);
+    a.row_req = pl.d_row_req;
+    a.row_pos = pl.d_row_pos;
+    a.page_indptr = pl.d_page_indptr;
+    a.page_ids = pl.d_page_ids;
+    a.rows = pl.tokens;
+    a.scale_log2 = p.sm_scale * 1.4426950408889634f;
+    CK(static_cast<cudaError_t>(attnrt_cuda_sm90::launch_attend_extend(a, p.q_dtype, stream)));
+    return ATTNRT_OK;
+  }
   attnrt_cuda_sm90::AttendDecodeArgs a{};
   static_cast<attnrt_cuda_common::AttendTensors&>(a) = attnrt_cuda_common::attend_tensors(*t, p);
   a.kv_len = pl.d_kv_len;
@@ -287,8 +403,7 @@ int32_t p_run(attnrt_plan plan, const attnrt_tensors* t, void* stream) {
   try {
     if (!plan) return fail(ATTNRT_INVALID, "null plan");
     const Sm90Plan& pl = *reinterpret_cast<const Sm90Plan*>(plan);
-    return pl.problem.op == ATTNRT_OP_SPARSE_INDEX_DECODE ? run_index(pl, t, stream)
-                                                          : run_attend(pl, t, stream);
+    return is_index(pl.problem.op) ? run_index(pl, t, stream) : run_attend(pl, t, stream);
   } catch (...) {
     return fail(ATTNRT_INTERNAL, "exception in cuda_sm90 run");
   }
@@ -300,6 +415,8 @@ int32_t p_update_plan(attnrt_plan plan, const attnrt_layout* L) {
   try {
     if (!plan) return fail(ATTNRT_INVALID, "null plan");
     Sm90Plan* pl = reinterpret_cast<Sm90Plan*>(plan);
+    if (!is_decode(pl->problem.op))
+      return fail(ATTNRT_UNAVAILABLE, "update_plan serves decode plans only");
     const int n = L->num_requests;
     if (n != pl->n) return fail(ATTNRT_UNAVAILABLE, "update_plan: %d requests, plan has %d", n, pl->n);
     if (int32_t s = check_layout(L, pl->block_capacity, pl->page_capacity); s != ATTNRT_OK)
@@ -341,7 +458,7 @@ int32_t p_describe_device(attnrt_device d, char* buf, size_t cap) {
   if (int32_t s = check_device(d); s != ATTNRT_OK) return s;
   const attnrt_cuda_common::DeviceInfo& i = g_rt.info(d.index);
   std::snprintf(buf, cap, "%s, sm_%d%d, %d SMs, %s", i.name, i.major, i.minor, i.sms,
-                i.major == 9 ? "fused decode indexer (bulk copies) and sparse attend" : "not Hopper: fast path off");
+                i.major == 9 ? "sparse indexer and attend, extend and decode" : "not Hopper: fast path off");
   return ATTNRT_OK;
 }
 

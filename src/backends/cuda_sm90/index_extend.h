@@ -1,0 +1,42 @@
+// MiniMax indexer for extend (prefill) on sm_90 (cuda_sm90 plugin): production shape only, as
+// index_decode.h. Two launches: block scores of 128-token tiles on tensor cores, then the top-16
+// of every token.
+#pragma once
+
+#include <cstdint>
+
+namespace attnrt_cuda_sm90 {
+
+constexpr int kIndexTileRows = 128;   // query tokens per score tile
+constexpr int kIndexItemBlocks = 16;  // key blocks per work item (the plan's split)
+
+// Score work item: request b, its first local token t0 of a tile, key blocks [c0, c1).
+struct IndexExtendItem {
+  int32_t b, t0, c0, c1;
+};
+
+struct IndexExtendArgs {
+  const void* q;   // index_q [T, 1, 128]
+  const void* kc;  // index_k_cache [pages, 128, 1, 128], each page contiguous
+  int64_t q_s0, k_s0;
+  const int32_t* q_len;      // [n]
+  const int32_t* kv_len;     // [n]
+  const int64_t* q_indptr;   // [n + 1]
+  const int32_t* page_indptr;
+  const int32_t* page_ids;
+  const int64_t* score_base;  // [n]: offset of request b's [q_len, nblk] score matrix
+  const int32_t* row_req;     // [T]: request of each token
+  const IndexExtendItem* items;
+  int num_items;
+  int64_t total_tokens;
+  float* scores;
+  int32_t* topk;  // [1, T, 16] with strides t_s1, t_s2
+  int64_t t_s1, t_s2;
+  int init_blocks, local_blocks;
+  float scale;  // index_scale
+};
+
+// Launches both kernels on `stream`; returns a cudaError_t as int. dtype: ATTNRT_BF16 or F16.
+int launch_index_extend(const IndexExtendArgs& a, int dtype, void* stream);
+
+}  // namespace attnrt_cuda_sm90
