@@ -1,8 +1,8 @@
 // MiniMax indexer for extend on sm_90 (see index_extend.h).
 //
-// Scores: one CTA of 8 warps per work item (a tile of 128 query tokens of one request against a
-// range of 16 key blocks). The tile's index queries are held as mma fragments in registers (16
-// tokens per warp); each key block (one 32 KB page) streams through a 3-stage cp.async pipeline
+// Scores: one CTA of 4 warps per work item (a tile of 128 query tokens of one request against a
+// range of 16 key blocks). The tile's index queries are held as mma fragments in registers (32
+// tokens per warp, so each key fragment read from shared memory feeds two mma rows); each key block (one 32 KB page) streams through a 3-stage cp.async pipeline
 // into XOR-swizzled shared memory, S = Q K^T runs on tensor cores (mma.sync m16n8k16, f32
 // accumulate) 64 keys at a time, and each token keeps the max over the block's keys j <= pos
 // (its causal mask), scaled by index_scale. Scores land in a [q_len, nblk] matrix per request.
@@ -27,11 +27,12 @@ namespace {
 
 using namespace attnrt_cuda_common;
 
-constexpr int kThreads = 256;
+constexpr int kThreads = 128;
+constexpr int kWarpRows = 32;  // query rows per warp: two m16 tiles
 constexpr int kStages = 3;
 constexpr int kTileElems = kBlock * kDim;  // one page of keys (or the query tile)
 constexpr int kChunks = kDim / 8;          // 16-byte chunks of a row
-static_assert(kIndexTileRows == 16 * (kThreads / 32), "16 query rows per warp");
+static_assert(kIndexTileRows == kWarpRows * (kThreads / 32), "32 query rows per warp");
 static_assert(kIndexTileRows == kBlock, "the query tile is staged in a key stage");
 
 template <typename T>
@@ -71,18 +72,20 @@ __global__ void __launch_bounds__(kThreads, 2) index_scores_kernel(IndexExtendAr
   }
   cp_wait<kStages - 1>();
   __syncthreads();
-  uint32_t qa[kDim / 16][4];
+  uint32_t qa[2][kDim / 16][4];
   {
     const T* sq = stage + (kStages - 1) * kTileElems;
 #pragma unroll
-    for (int kk = 0; kk < kDim / 16; ++kk)
-      ldsm_x4(qa[kk], smem_u32(sq + swz<kDim>(warp * 16 + (lane & 15), kk * 16 + (lane >> 4) * 8)));
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+      for (int kk = 0; kk < kDim / 16; ++kk)
+        ldsm_x4(qa[mt][kk], smem_u32(sq + swz<kDim>(warp * kWarpRows + mt * 16 + (lane & 15),
+                                                   kk * 16 + (lane >> 4) * 8)));
   }
-  const int pos_base = kv - ql + it.t0 + warp * 16;  // position of this warp's first row
-  const int pos0 = pos_base + g, pos1 = pos_base + g + 8;
-  const int row0 = it.t0 + warp * 16 + g, row1 = row0 + 8;  // local token indices
-  float* srow0 = a.scores + a.score_base[it.b] + static_cast<int64_t>(row0) * nblk;
-  float* srow1 = srow0 + 8 * static_cast<int64_t>(nblk);
+  // This thread's 4 rows: g, g + 8, g + 16, g + 24 of the warp's 32 (local token index, position).
+  const int row_base = it.t0 + warp * kWarpRows + g;
+  const int pos_base = kv - ql + row_base;
+  float* srow = a.scores + a.score_base[it.b] + static_cast<int64_t>(row_base) * nblk;
 
   for (int i = 0; i < nb; ++i) {
     cp_wait<kStages - 2>();
@@ -93,41 +96,47 @@ __global__ void __launch_bounds__(kThreads, 2) index_scores_kernel(IndexExtendAr
     cp_commit();
     const T* sk = stage + (i % kStages) * kTileElems;
     const int c = it.c0 + i, j0 = c * kBlock;
-    float m0 = -INFINITY, m1 = -INFINITY;
+    float m[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
+#pragma unroll 1
+    for (int q4 = 0; q4 < 4; ++q4) {  // 32 keys at a time
+      float s[2][4][4];
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      float s[8][4];
+      for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-      for (int n = 0; n < 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+        for (int n = 0; n < 4; ++n) s[mt][n][0] = s[mt][n][1] = s[mt][n][2] = s[mt][n][3] = 0.f;
 #pragma unroll
       for (int kk = 0; kk < kDim / 16; ++kk)
 #pragma unroll
-        for (int np = 0; np < 4; ++np) {
+        for (int np = 0; np < 2; ++np) {
           uint32_t bf[4];
-          const int key = half * 64 + np * 16 + (lane >> 4) * 8 + (lane & 7);
+          const int key = q4 * 32 + np * 16 + (lane >> 4) * 8 + (lane & 7);
           ldsm_x4(bf, smem_u32(sk + swz<kDim>(key, kk * 16 + ((lane >> 3) & 1) * 8)));
-          Mma<T>::run(s[2 * np], qa[kk], bf[0], bf[1]);
-          Mma<T>::run(s[2 * np + 1], qa[kk], bf[2], bf[3]);
+#pragma unroll
+          for (int mt = 0; mt < 2; ++mt) {
+            Mma<T>::run(s[mt][2 * np], qa[mt][kk], bf[0], bf[1]);
+            Mma<T>::run(s[mt][2 * np + 1], qa[mt][kk], bf[2], bf[3]);
+          }
         }
       // Only the tile's diagonal blocks hold keys past some row's position.
-      const bool diag = j0 + half * 64 + 63 > pos0;
+      const bool diag = j0 + q4 * 32 + 31 > pos_base;
 #pragma unroll
-      for (int n = 0; n < 8; ++n)
+      for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int j = j0 + half * 64 + n * 8 + 2 * t4 + e;
-          m0 = fmaxf(m0, diag && j > pos0 ? -INFINITY : s[n][e]);
-          m1 = fmaxf(m1, diag && j > pos1 ? -INFINITY : s[n][2 + e]);
-        }
+        for (int n = 0; n < 4; ++n)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int r = 2 * mt + (e >> 1);  // rows g + 8 r
+            const int j = j0 + q4 * 32 + n * 8 + 2 * t4 + (e & 1);
+            m[r] = fmaxf(m[r], diag && j > pos_base + 8 * r ? -INFINITY : s[mt][n][e]);
+          }
     }
-    m0 = fmaxf(m0, __shfl_xor_sync(0xffffffffu, m0, 1));
-    m0 = fmaxf(m0, __shfl_xor_sync(0xffffffffu, m0, 2));
-    m1 = fmaxf(m1, __shfl_xor_sync(0xffffffffu, m1, 1));
-    m1 = fmaxf(m1, __shfl_xor_sync(0xffffffffu, m1, 2));
-    // Blocks past a row's own block are never read by its top-k: not written.
-    if (t4 == 0) {
-      if (row0 < ql && j0 <= pos0) srow0[c] = m0 * a.scale;
-      if (row1 < ql && j0 <= pos1) srow1[c] = m1 * a.scale;
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      m[r] = fmaxf(m[r], __shfl_xor_sync(0xffffffffu, m[r], 1));
+      m[r] = fmaxf(m[r], __shfl_xor_sync(0xffffffffu, m[r], 2));
+      // Blocks past a row's own block are never read by its top-k: not written.
+      if (t4 == 0 && row_base + 8 * r < ql && j0 <= pos_base + 8 * r)
+        srow[8 * r * static_cast<int64_t>(nblk) + c] = m[r] * a.scale;
     }
   }
 }
