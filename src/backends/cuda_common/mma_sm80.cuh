@@ -1,6 +1,7 @@
 // Tensor-core building blocks for sm_80+ kernels, shared by the CUDA plugins (device code only,
 // header-only): cp.async 16-byte copies, ldmatrix, mma.sync m16n8k16 (bf16/f16 in, f32
-// accumulate), the XOR swizzle of [rows][D] shared-memory tiles, and ex2.approx.
+// accumulate) with packing to and from 16-bit pairs, the XOR swizzle of [rows][D] shared-memory
+// tiles, and ex2.approx.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -48,6 +49,9 @@ struct Mma<__nv_bfloat16> {
     __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
     return *reinterpret_cast<uint32_t*>(&v);
   }
+  static __device__ __forceinline__ float2 unpack(uint32_t x) {
+    return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&x));
+  }
 };
 template <>
 struct Mma<__half> {
@@ -62,6 +66,9 @@ struct Mma<__half> {
   static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
     __half2 v = __floats2half2_rn(lo, hi);
     return *reinterpret_cast<uint32_t*>(&v);
+  }
+  static __device__ __forceinline__ float2 unpack(uint32_t x) {
+    return __half22float2(*reinterpret_cast<const __half2*>(&x));
   }
 };
 

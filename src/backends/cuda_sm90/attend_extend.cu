@@ -1,16 +1,21 @@
-// Sparse attend for extend on sm_90 (see attend_extend.h).
+// Sparse attend for extend on sm_90 (see attend_extend.h): block-major.
 //
-// One CTA of 4 warps per query token. The token's selection (repeats and -1 dropped, blocks
-// wholly past its position skipped) is cut into chunks of 64 keys that stream through a 3-stage
-// cp.async pipeline of K and V tiles (XOR-swizzled; rows past the position zero-filled). Each
-// warp takes 16 keys of every chunk: S = Q K^T and O += P V on tensor cores (mma.sync m16n8k16,
-// the 16 query heads as the mma rows, so each K/V row is read once), online softmax in the log2
-// domain, P rounded to the K/V dtype as the reference does. The 4 warps' (m, l, o) merge through
-// shared memory at the end; the sink logit folds in there and out and lse are written directly.
+// Per chunk of rows: (1) bucket: one thread per (token, slot) appends the slot to its block's
+// list (repeats, -1 and blocks past the token's position are not live); (2) items: each block
+// with a list becomes ceil(len / 32) work items; (3) attend: one CTA of 4 warps per item loads
+// the block's 128 K and V rows once into XOR-swizzled shared memory (rows past kv_len zeroed)
+// and each warp takes one token at a time (its 16 query heads are the mma rows, Q prefetched by
+// cp.async): S = Q K^T over the 128 keys, softmax in the log2 domain (keys past the token's
+// position masked in its own block), O = P V with P rounded to the K/V dtype as the reference
+// does, and the normalised partial (o / l in the q dtype, m + log2 l) is stored per slot;
+// (4) merge: one CTA per token weighs its live slots by lse in slot order, folds in the sink and
+// writes out and lse. Every token's arithmetic is the same whichever CTA serves it, so results
+// do not depend on the order of the lists (atomics) and repeat bit for bit.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
@@ -27,247 +32,256 @@ namespace {
 using namespace attnrt_cuda_common;
 
 constexpr int kThreads = 128;
-constexpr int kStages = 3;
-constexpr int kChunkKeys = 64;  // 16 per warp
-constexpr int kMaxChunks = kTopK * (kBlock / kChunkKeys);
+constexpr int kWarps = kThreads / 32;
 constexpr int kDT = kHeadDim / 8;   // O n-tiles
 constexpr int kDK = kHeadDim / 16;  // QK k-steps
-constexpr int kKV = kChunkKeys * kHeadDim;  // elements of one K (or V) chunk
+constexpr int kKT = kBlock / 8;     // S n-tiles
+constexpr int kTileElems = kBlock * kHeadDim;
+constexpr int kQElems = kHeads * kHeadDim;
 constexpr float kLn2 = 0.6931471805599453f;
 constexpr float kLog2e = 1.4426950408889634f;
-constexpr size_t kSmemElems = static_cast<size_t>(kHeads) * kHeadDim + kStages * 2 * kKV;
-static_assert(4 * kHeads * kHeadDim * 4 <= kStages * 2 * kKV * 2, "merge buffer fits the stages");
+constexpr size_t kSmemElems = 2 * static_cast<size_t>(kTileElems) + 2 * kWarps * kQElems;
+constexpr int kSlots = kTopK;
+
+// Block of slot k of `row` when the slot is live (selected, first occurrence, not wholly past
+// the token's position), else -1.
+__device__ __forceinline__ int slot_block(const AttendExtendArgs& a, int64_t row, int k, int pos) {
+  const int32_t* sel = a.topk + row * a.t_s1;
+  const int c = sel[k * a.t_s2];
+  if (c < 0 || static_cast<int64_t>(c) * kBlock > pos) return -1;
+  for (int s = 0; s < k; ++s)
+    if (sel[s * a.t_s2] == c) return -1;
+  return c;
+}
+
+__global__ void bucket_kernel(AttendExtendArgs a, int64_t r0, int nrows) {
+  const int idx = blockIdx.x * blockDim.x + threadIdx.x;
+  if (idx >= nrows * kSlots) return;
+  const int64_t row = r0 + idx / kSlots;
+  const int c = slot_block(a, row, idx % kSlots, a.row_pos[row]);
+  if (c < 0) return;
+  const int b = a.row_req[row];
+  const int n = atomicAdd(&a.counts[a.blk_base[b] + c], 1);
+  a.entries[a.entry_base[b] + static_cast<int64_t>(c) * a.entry_cap[b] + n] = idx;
+}
+
+__global__ void items_kernel(AttendExtendArgs a) {
+  const int gb = blockIdx.x * blockDim.x + threadIdx.x;
+  if (gb >= a.total_blocks) return;
+  const int n = a.counts[gb];
+  if (n == 0) return;
+  const int b = a.blk_req[gb];
+  const int ni = (n + kItemTokens - 1) / kItemTokens;
+  const int base = atomicAdd(&a.counts[a.total_blocks], ni);
+  for (int i = 0; i < ni; ++i)
+    a.items[base + i] = {b, gb - a.blk_base[b], i * kItemTokens,
+                         min(kItemTokens, n - i * kItemTokens)};
+}
 
 template <typename T>
-__global__ void __launch_bounds__(kThreads, 2) attend_extend_kernel(AttendExtendArgs a) {
+__global__ void __launch_bounds__(kThreads, 2) attend_blocks_kernel(AttendExtendArgs a, int64_t r0) {
   extern __shared__ __align__(128) unsigned char smem_raw[];
-  T* sQ = reinterpret_cast<T*>(smem_raw);  // [16][128]
-  T* stages = sQ + kHeads * kHeadDim;      // kStages x (K [64][128], V [64][128])
-  __shared__ int s_chunk[kMaxChunks];      // first key of each chunk
-  __shared__ int64_t s_page[kMaxChunks];   // element offset of its page
-  __shared__ int s_nchunks;
-  __shared__ float s_m[4][kHeads], s_l[4][kHeads];
-
-  const int64_t row = blockIdx.x;
+  T* sK = reinterpret_cast<T*>(smem_raw);  // [128][128]
+  T* sV = sK + kTileElems;                 // [128][128]
+  if (blockIdx.x >= static_cast<unsigned>(a.counts[a.total_blocks])) return;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, t4 = lane & 3;
-  const int b = a.row_req[row], pos = a.row_pos[row];
-  const T* kc = static_cast<const T*>(a.kc);
-  const T* vc = static_cast<const T*>(a.vc);
-
-  if (tid < 32) {
-    // Warp 0 builds the chunk list in selection order: lane k looks at slot k.
-    const int c = lane < kTopK ? a.topk[row * a.t_s1 + lane * a.t_s2] : -1;
-    bool live = c >= 0 && static_cast<int64_t>(c) * kBlock <= pos;
-    for (int s = 0; s < kTopK; ++s) {  // a repeated id counts once
-      const int cs = __shfl_sync(0xffffffffu, c, s);
-      live = live && !(s < lane && cs == c);
-    }
-    const int nch =
-        live ? (min(kBlock, pos + 1 - c * kBlock) + kChunkKeys - 1) / kChunkKeys : 0;
-    int at = nch;  // inclusive prefix of chunk counts
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int y = __shfl_up_sync(0xffffffffu, at, o);
-      if (lane >= o) at += y;
-    }
-    if (live) {
-      const int64_t page = static_cast<int64_t>(a.page_ids[a.page_indptr[b] + c]);
-      for (int h = 0; h < nch; ++h) {
-        s_chunk[at - nch + h] = c * kBlock + h * kChunkKeys;
-        s_page[at - nch + h] = page;
-      }
-    }
-    if (lane == 31) s_nchunks = at;
+  T* sQ = sV + kTileElems + warp * 2 * kQElems;  // this warp's two Q buffers
+  const AttendExtendItem it = a.items[blockIdx.x];
+  const int kv = a.kv_len[it.b];
+  const int64_t page = a.page_ids[a.page_indptr[it.b] + it.c];
+  const T* kp = static_cast<const T*>(a.kc) + page * a.k_s0;
+  const T* vp = static_cast<const T*>(a.vc) + page * a.v_s0;
+  for (int i = tid; i < kBlock * kDT; i += kThreads) {
+    const int r = i / kDT, ch = i % kDT;
+    const bool valid = it.c * kBlock + r < kv;
+    cp_async16(smem_u32(sK + swz<kHeadDim>(r, ch * 8)), valid ? kp + r * a.k_s1 + ch * 8 : kp, valid);
+    cp_async16(smem_u32(sV + swz<kHeadDim>(r, ch * 8)), valid ? vp + r * a.v_s1 + ch * 8 : vp, valid);
   }
-  {
-    const T* q = static_cast<const T*>(a.q) + row * a.q_s0;
-    for (int i = tid; i < kHeads * kDT; i += kThreads) {
-      const int r = i / kDT, ch = i % kDT;
-      cp_async16(smem_u32(sQ + swz<kHeadDim>(r, ch * 8)), q + r * a.q_s1 + ch * 8, true);
-    }
-  }
-  __syncthreads();
-  const int nchunks = s_nchunks;
-  auto load_chunk = [&](int i) {
-    T* sk = stages + (i % kStages) * 2 * kKV;
-    T* sv = sk + kKV;
-    const int j0 = s_chunk[i];
-    const int64_t page = s_page[i];
-    const int r0 = j0 % kBlock;
-    const T* kp = kc + page * a.k_s0 + r0 * a.k_s1;
-    const T* vp = vc + page * a.v_s0 + r0 * a.v_s1;
+  const int32_t* list = a.entries + a.entry_base[it.b] +
+                        static_cast<int64_t>(it.c) * a.entry_cap[it.b] + it.start;
+  const T* q = static_cast<const T*>(a.q);
+  auto load_q = [&](int i, int buf) {
+    const T* src = q + (r0 + list[i] / kSlots) * a.q_s0;
+    T* dst = sQ + buf * kQElems;
 #pragma unroll
-    for (int it = 0; it < kChunkKeys * kDT / kThreads; ++it) {
-      const int idx = it * kThreads + tid, r = idx / kDT, ch = idx % kDT;
-      const bool valid = j0 + r <= pos;
-      cp_async16(smem_u32(sk + swz<kHeadDim>(r, ch * 8)), valid ? kp + r * a.k_s1 + ch * 8 : kp,
-                 valid);
-      cp_async16(smem_u32(sv + swz<kHeadDim>(r, ch * 8)), valid ? vp + r * a.v_s1 + ch * 8 : vp,
-                 valid);
+    for (int x = lane; x < kHeads * kDT; x += 32) {
+      const int r = x / kDT, ch = x % kDT;
+      cp_async16(smem_u32(dst + swz<kHeadDim>(r, ch * 8)), src + r * a.q_s1 + ch * 8, true);
     }
   };
-#pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) {
-    if (s < nchunks) load_chunk(s);
-    cp_commit();  // the first group also carries Q
-  }
+  if (warp < it.count) load_q(warp, 0);
+  cp_commit();
+  cp_wait<0>();
+  __syncthreads();  // K and V from every thread
 
-  float o[kDT][4];
-#pragma unroll
-  for (int i = 0; i < kDT; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
-  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};  // rows g and g + 8
-  uint32_t qa[kDK][4];
-  for (int i = 0; i < nchunks; ++i) {
-    cp_wait<kStages - 2>();
-    __syncthreads();  // chunk i landed; every warp is done with the stage refilled below
-    if (i + kStages - 1 < nchunks) load_chunk(i + kStages - 1);
+  const int j0 = it.c * kBlock;
+  int n = 0;
+  for (int i = warp; i < it.count; i += kWarps, ++n) {
+    if (i + kWarps < it.count) load_q(i + kWarps, (n + 1) & 1);
     cp_commit();
-    if (i == 0) {
+    cp_wait<1>();
+    __syncwarp();  // token i's Q from every lane
+    const int slot = list[i];
+    const int64_t row = r0 + slot / kSlots;
+    const int pos = a.row_pos[row];
+    const T* sq = sQ + (n & 1) * kQElems;
+    float s[kKT][4];
 #pragma unroll
-      for (int kk = 0; kk < kDK; ++kk)
-        ldsm_x4(qa[kk], smem_u32(sQ + swz<kHeadDim>(lane & 15, kk * 16 + (lane >> 4) * 8)));
-    }
-    const T* sk = stages + (i % kStages) * 2 * kKV;
-    const T* sv = sk + kKV;
-    const int wkey = warp * 16;
-    float s[2][4];
-#pragma unroll
-    for (int n = 0; n < 2; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+    for (int x = 0; x < kKT; ++x) s[x][0] = s[x][1] = s[x][2] = s[x][3] = 0.f;
 #pragma unroll
     for (int kk = 0; kk < kDK; ++kk) {
-      uint32_t bf[4];
-      const int key = wkey + (lane >> 4) * 8 + (lane & 7);
-      ldsm_x4(bf, smem_u32(sk + swz<kHeadDim>(key, kk * 16 + ((lane >> 3) & 1) * 8)));
-      Mma<T>::run(s[0], qa[kk], bf[0], bf[1]);
-      Mma<T>::run(s[1], qa[kk], bf[2], bf[3]);
+      uint32_t qa[4];
+      ldsm_x4(qa, smem_u32(sq + swz<kHeadDim>(lane & 15, kk * 16 + (lane >> 4) * 8)));
+#pragma unroll
+      for (int np = 0; np < kKT / 2; ++np) {
+        uint32_t bf[4];
+        const int key = np * 16 + (lane >> 4) * 8 + (lane & 7);
+        ldsm_x4(bf, smem_u32(sK + swz<kHeadDim>(key, kk * 16 + ((lane >> 3) & 1) * 8)));
+        Mma<T>::run(s[2 * np], qa, bf[0], bf[1]);
+        Mma<T>::run(s[2 * np + 1], qa, bf[2], bf[3]);
+      }
     }
-    const int j0 = s_chunk[i] + wkey;
+    const bool own = j0 + kBlock - 1 > pos;  // the token's own block: keys past pos masked
+    float m[2], l[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      float mx = m[r];
+      float mx = -INFINITY;
 #pragma unroll
-      for (int n = 0; n < 2; ++n)
+      for (int x = 0; x < kKT; ++x)
 #pragma unroll
         for (int e = 2 * r; e < 2 * r + 2; ++e) {
-          const int j = j0 + n * 8 + 2 * t4 + (e & 1);
-          s[n][e] = j <= pos ? s[n][e] * a.scale_log2 : -INFINITY;
-          mx = fmaxf(mx, s[n][e]);
+          const int j = j0 + x * 8 + 2 * t4 + (e & 1);
+          s[x][e] = own && j > pos ? -INFINITY : s[x][e] * a.scale_log2;
+          mx = fmaxf(mx, s[x][e]);
         }
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float base = mx == -INFINITY ? 0.f : mx;
-      const float corr = fast_exp2(m[r] - base);  // m = -inf: 0 (nothing accumulated yet)
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));  // finite: key j0 <= pos
       float sum = 0.f;
 #pragma unroll
-      for (int n = 0; n < 2; ++n)
+      for (int x = 0; x < kKT; ++x)
 #pragma unroll
         for (int e = 2 * r; e < 2 * r + 2; ++e) {
-          s[n][e] = fast_exp2(s[n][e] - base);
-          sum += s[n][e];
+          s[x][e] = fast_exp2(s[x][e] - mx);
+          sum += s[x][e];
         }
-      l[r] = l[r] * corr + sum;  // this lane's share; reduced over the quad at the end
+      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
       m[r] = mx;
+      l[r] = sum;
+    }
+    float o[kDT][4];
 #pragma unroll
-      for (int dt = 0; dt < kDT; ++dt) {
-        o[dt][2 * r] *= corr;
-        o[dt][2 * r + 1] *= corr;
+    for (int x = 0; x < kDT; ++x) o[x][0] = o[x][1] = o[x][2] = o[x][3] = 0.f;
+#pragma unroll
+    for (int ks = 0; ks < kBlock / 16; ++ks) {
+      uint32_t pf[4];
+      pf[0] = Mma<T>::pack(s[2 * ks][0], s[2 * ks][1]);
+      pf[1] = Mma<T>::pack(s[2 * ks][2], s[2 * ks][3]);
+      pf[2] = Mma<T>::pack(s[2 * ks + 1][0], s[2 * ks + 1][1]);
+      pf[3] = Mma<T>::pack(s[2 * ks + 1][2], s[2 * ks + 1][3]);
+      const int key = ks * 16 + ((lane >> 3) & 1) * 8 + (lane & 7);
+#pragma unroll
+      for (int dp = 0; dp < kDT / 2; ++dp) {
+        uint32_t bf[4];
+        ldsm_x4_t(bf, smem_u32(sV + swz<kHeadDim>(key, dp * 16 + (lane >> 4) * 8)));
+        Mma<T>::run(o[2 * dp], pf, bf[0], bf[1]);
+        Mma<T>::run(o[2 * dp + 1], pf, bf[2], bf[3]);
       }
     }
-    uint32_t pf[4];
-    pf[0] = Mma<T>::pack(s[0][0], s[0][1]);
-    pf[1] = Mma<T>::pack(s[0][2], s[0][3]);
-    pf[2] = Mma<T>::pack(s[1][0], s[1][1]);
-    pf[3] = Mma<T>::pack(s[1][2], s[1][3]);
-    const int vkey = wkey + ((lane >> 3) & 1) * 8 + (lane & 7);
+    T* po = static_cast<T*>(a.part_o) + static_cast<int64_t>(slot) * kQElems;
 #pragma unroll
-    for (int dp = 0; dp < kDT / 2; ++dp) {
-      uint32_t bf[4];
-      ldsm_x4_t(bf, smem_u32(sv + swz<kHeadDim>(vkey, dp * 16 + (lane >> 4) * 8)));
-      Mma<T>::run(o[2 * dp], pf, bf[0], bf[1]);
-      Mma<T>::run(o[2 * dp + 1], pf, bf[2], bf[3]);
+    for (int r = 0; r < 2; ++r) {
+      const int h = g + 8 * r;
+      const float inv = 1.f / l[r];
+      uint32_t* dst = reinterpret_cast<uint32_t*>(po + h * kHeadDim + 2 * t4);
+#pragma unroll
+      for (int dt = 0; dt < kDT; ++dt)
+        dst[dt * 4] = Mma<T>::pack(o[dt][2 * r] * inv, o[dt][2 * r + 1] * inv);
+      if (t4 == 0) a.part_lse[static_cast<int64_t>(slot) * kHeads + h] = m[r] + log2f(l[r]);
     }
+    __syncwarp();  // every lane is done with this Q buffer before it is refilled
   }
+}
 
-  // Merge the 4 warps (same rows, different keys) through shared memory.
-  cp_wait<0>();
+template <typename T>
+__global__ void __launch_bounds__(kThreads) merge_kernel(AttendExtendArgs a, int64_t r0) {
+  __shared__ int s_live[kSlots];
+  const int local = blockIdx.x;
+  const int64_t row = r0 + local;
+  const int tid = threadIdx.x;
+  if (tid < kSlots) s_live[tid] = slot_block(a, row, tid, a.row_pos[row]) >= 0;
   __syncthreads();
-  float* red = reinterpret_cast<float*>(stages);  // [4][16][128]
+  const int h = tid / 8, d0 = (tid % 8) * 16;  // 16 heads x 8 threads, 16 dims each
+  const int64_t base = static_cast<int64_t>(local) * kSlots;
+  float M = -INFINITY;
+  for (int k = 0; k < kSlots; ++k)
+    if (s_live[k]) M = fmaxf(M, a.part_lse[(base + k) * kHeads + h]);
+  float acc[16], L = 0.f;
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
-    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
-    if (t4 == 0) {
-      s_m[warp][g + 8 * r] = m[r];
-      s_l[warp][g + 8 * r] = l[r];
-    }
-  }
-  __syncthreads();
+  for (int x = 0; x < 16; ++x) acc[x] = 0.f;
+  for (int k = 0; k < kSlots; ++k) {
+    if (!s_live[k]) continue;
+    const float w = exp2f(a.part_lse[(base + k) * kHeads + h] - M);
+    L += w;
+    const uint4* src = reinterpret_cast<const uint4*>(static_cast<const T*>(a.part_o) +
+                                                      (base + k) * kQElems + h * kHeadDim + d0);
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int h = g + 8 * r;
-    float M = -INFINITY;
+    for (int v = 0; v < 2; ++v) {
+      const uint4 u = src[v];
+      const uint32_t wds[4] = {u.x, u.y, u.z, u.w};
 #pragma unroll
-    for (int w = 0; w < 4; ++w) M = fmaxf(M, s_m[w][h]);
-    const float f = m[r] == -INFINITY ? 0.f : exp2f(m[r] - M);
-    float* dst = red + (warp * kHeads + h) * kHeadDim + 2 * t4;
-#pragma unroll
-    for (int dt = 0; dt < kDT; ++dt) {
-      dst[dt * 8] = o[dt][2 * r] * f;
-      dst[dt * 8 + 1] = o[dt][2 * r + 1] * f;
-    }
-  }
-  __syncthreads();
-  T* out = static_cast<T*>(a.out) + row * a.o_s0;
-  for (int idx = tid; idx < kHeads * kHeadDim / 4; idx += kThreads) {
-    const int h = idx / (kHeadDim / 4), d = (idx % (kHeadDim / 4)) * 4;
-    float M = -INFINITY;
-#pragma unroll
-    for (int w = 0; w < 4; ++w) M = fmaxf(M, s_m[w][h]);
-    float L = 0.f;
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (M != -INFINITY) {
-#pragma unroll
-      for (int w = 0; w < 4; ++w) {
-        L += s_l[w][h] * exp2f(s_m[w][h] - M);
-        const float4 v = *reinterpret_cast<const float4*>(red + (w * kHeads + h) * kHeadDim + d);
-        acc.x += v.x;
-        acc.y += v.y;
-        acc.z += v.z;
-        acc.w += v.w;
+      for (int x = 0; x < 4; ++x) {
+        const float2 f = Mma<T>::unpack(wds[x]);
+        acc[v * 8 + 2 * x] += w * f.x;
+        acc[v * 8 + 2 * x + 1] += w * f.y;
       }
     }
-    if (a.sink != nullptr) {
-      const float s2 = a.sink[h] * kLog2e;
-      const float mn = fmaxf(M, s2);
-      const float cf = M == -INFINITY ? 0.f : exp2f(M - mn);
-      acc.x *= cf;
-      acc.y *= cf;
-      acc.z *= cf;
-      acc.w *= cf;
-      L = L * cf + exp2f(s2 - mn);
-      M = mn;
-    }
-    const float inv = L > 0.f ? 1.f / L : 0.f;
-    uint2 packed;
-    packed.x = Mma<T>::pack(acc.x * inv, acc.y * inv);
-    packed.y = Mma<T>::pack(acc.z * inv, acc.w * inv);
-    *reinterpret_cast<uint2*>(out + h * a.o_s1 + d) = packed;
-    if (a.lse != nullptr && d == 0)
-      a.lse[row * a.lse_s0 + h] = L > 0.f ? (M + log2f(L)) * kLn2 : -INFINITY;
   }
+  if (a.sink != nullptr) {
+    const float s2 = a.sink[h] * kLog2e;
+    const float mn = fmaxf(M, s2);
+    const float cf = M == -INFINITY ? 0.f : exp2f(M - mn);
+#pragma unroll
+    for (int x = 0; x < 16; ++x) acc[x] *= cf;
+    L = L * cf + exp2f(s2 - mn);
+    M = mn;
+  }
+  const float inv = L > 0.f ? 1.f / L : 0.f;
+  uint4* out = reinterpret_cast<uint4*>(static_cast<T*>(a.out) + row * a.o_s0 + h * a.o_s1 + d0);
+#pragma unroll
+  for (int v = 0; v < 2; ++v) {
+    uint4 u;
+    u.x = Mma<T>::pack(acc[v * 8 + 0] * inv, acc[v * 8 + 1] * inv);
+    u.y = Mma<T>::pack(acc[v * 8 + 2] * inv, acc[v * 8 + 3] * inv);
+    u.z = Mma<T>::pack(acc[v * 8 + 4] * inv, acc[v * 8 + 5] * inv);
+    u.w = Mma<T>::pack(acc[v * 8 + 6] * inv, acc[v * 8 + 7] * inv);
+    out[v] = u;
+  }
+  if (a.lse != nullptr && d0 == 0)
+    a.lse[row * a.lse_s0 + h] = L > 0.f ? (M + log2f(L)) * kLn2 : -INFINITY;
 }
 
 template <typename T>
 cudaError_t launch_t(const AttendExtendArgs& a, cudaStream_t st) {
   const int smem = static_cast<int>(kSmemElems * sizeof(T));
-  if (cudaError_t e = cudaFuncSetAttribute(attend_extend_kernel<T>,
+  if (cudaError_t e = cudaFuncSetAttribute(attend_blocks_kernel<T>,
                                            cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
       e != cudaSuccess)
     return e;
-  if (a.rows > 0)
-    attend_extend_kernel<T><<<static_cast<unsigned>(a.rows), kThreads, smem, st>>>(a);
-  return cudaGetLastError();
+  for (int64_t r0 = 0; r0 < a.rows; r0 += kExtendChunkRows) {
+    const int nrows = static_cast<int>(std::min<int64_t>(kExtendChunkRows, a.rows - r0));
+    if (cudaError_t e = cudaMemsetAsync(a.counts, 0, sizeof(int32_t) * (a.total_blocks + 1), st);
+        e != cudaSuccess)
+      return e;
+    bucket_kernel<<<(nrows * kSlots + 255) / 256, 256, 0, st>>>(a, r0, nrows);
+    items_kernel<<<(a.total_blocks + 255) / 256, 256, 0, st>>>(a);
+    attend_blocks_kernel<T><<<static_cast<unsigned>(attend_extend_max_items(nrows, a.total_blocks)),
+                              kThreads, smem, st>>>(a, r0);
+    merge_kernel<T><<<nrows, kThreads, 0, st>>>(a, r0);
+    if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+  }
+  return cudaSuccess;
 }
 
 }  // namespace

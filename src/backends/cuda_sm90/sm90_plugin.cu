@@ -8,7 +8,7 @@
 // kernel) and sparse_attend_decode (attend_decode.cu: one CTA per selected block on tensor cores,
 // the last CTA of a request merging the splits). Extend: sparse_index_extend (index_extend.cu:
 // 128-token tiles scored on tensor cores, then a top-k kernel) and sparse_attend_extend
-// (attend_extend.cu: one CTA per token, its selected keys pipelined in 64-key chunks). Anything
+// (attend_extend.cu: block-major, each selected block read once per 32 tokens). Anything
 // else its probe refuses by name, and the generic "cuda" plugin (priority 200) serves it.
 // Priority 300: tried before the generic plugin.
 //
@@ -90,6 +90,12 @@ struct Sm90Plan {
   int32_t *d_q_len = nullptr, *d_row_req = nullptr, *d_row_pos = nullptr;  // extend
   int64_t *d_q_indptr = nullptr, *d_score_base = nullptr;
   attnrt_cuda_sm90::IndexExtendItem* d_items = nullptr;
+  int total_blocks = 0;  // extend attend: block lists, work items, per-slot partials
+  int32_t *d_blk_base = nullptr, *d_blk_req = nullptr, *d_entry_cap = nullptr;
+  int64_t* d_entry_base = nullptr;
+  int32_t* d_entries = nullptr;
+  attnrt_cuda_sm90::AttendExtendItem* d_attend_items = nullptr;
+  void* d_part_o16 = nullptr;
 };
 
 void free_plan(Sm90Plan* p) {
@@ -97,7 +103,8 @@ void free_plan(Sm90Plan* p) {
   void* bufs[] = {p->d_kv_len,   p->d_page_indptr, p->d_page_ids,  p->d_counters,
                   p->d_scores,   p->d_part_o,      p->d_part_lse,  p->d_q_len,
                   p->d_row_req,  p->d_row_pos,     p->d_q_indptr,  p->d_score_base,
-                  p->d_items};
+                  p->d_items,    p->d_blk_base,    p->d_blk_req,   p->d_entry_cap,
+                  p->d_entry_base, p->d_entries,   p->d_attend_items, p->d_part_o16};
   for (void* b : bufs) cudaFree(b);
   delete p;
 }
@@ -181,6 +188,11 @@ int32_t plan_extend(const attnrt_problem* p, const attnrt_layout* L, Sm90Plan* p
   std::vector<int64_t> score_base(n, 0);
   std::vector<IndexExtendItem> items;
   int64_t scores = 0;
+  // Attend: request b's blocks are global blocks blk_base[b] ..; each has a list of capacity
+  // min(q_len, chunk) (a token selects a block at most once).
+  std::vector<int32_t> blk_base(n), blk_req, entry_cap(n);
+  std::vector<int64_t> entry_base(n);
+  int64_t entries = 0;
   for (int b = 0; b < n; ++b) {
     const int ql = L->q_len[b], kv = L->kv_len[b];
     if (ql > kv)
@@ -192,6 +204,11 @@ int32_t plan_extend(const attnrt_problem* p, const attnrt_layout* L, Sm90Plan* p
     }
     score_base[b] = scores;
     scores += static_cast<int64_t>(ql) * nblk;
+    blk_base[b] = static_cast<int32_t>(blk_req.size());
+    blk_req.insert(blk_req.end(), nblk, b);
+    entry_cap[b] = std::min(ql, attnrt_cuda_sm90::kExtendChunkRows);
+    entry_base[b] = entries;
+    entries += static_cast<int64_t>(nblk) * entry_cap[b];
     for (int t0 = 0; t0 < ql; t0 += kIndexTileRows) {
       const int last = kv - ql + std::min(t0 + kIndexTileRows, ql) - 1;
       const int vis = last / kBlock + 1;
@@ -218,8 +235,26 @@ int32_t plan_extend(const attnrt_problem* p, const attnrt_layout* L, Sm90Plan* p
       return ATTNRT_INTERNAL;
     CK(cudaMalloc(reinterpret_cast<void**>(&pl->d_scores),
                   sizeof(float) * std::max<int64_t>(1, scores)));
-  } else if (upload(&pl->d_row_pos, row_pos.data(), T, 0, e, ec)) {
-    return ATTNRT_INTERNAL;
+  } else {
+    pl->total_blocks = static_cast<int>(blk_req.size());
+    const int64_t chunk = std::min<int64_t>(T, attnrt_cuda_sm90::kExtendChunkRows);
+    const int64_t max_items = attnrt_cuda_sm90::attend_extend_max_items(chunk, pl->total_blocks);
+    if (upload(&pl->d_row_pos, row_pos.data(), T, 0, e, ec) ||
+        upload(&pl->d_kv_len, L->kv_len, n, 0, e, ec) ||
+        upload(&pl->d_blk_base, blk_base.data(), n, 0, e, ec) ||
+        upload(&pl->d_blk_req, blk_req.data(), blk_req.size(), 0, e, ec) ||
+        upload(&pl->d_entry_cap, entry_cap.data(), n, 0, e, ec) ||
+        upload(&pl->d_entry_base, entry_base.data(), n, 0, e, ec))
+      return ATTNRT_INTERNAL;
+    CK(cudaMalloc(reinterpret_cast<void**>(&pl->d_counters),
+                  sizeof(int32_t) * (pl->total_blocks + 1)));
+    CK(cudaMalloc(reinterpret_cast<void**>(&pl->d_entries),
+                  sizeof(int32_t) * std::max<int64_t>(1, entries)));
+    CK(cudaMalloc(reinterpret_cast<void**>(&pl->d_attend_items),
+                  sizeof(attnrt_cuda_sm90::AttendExtendItem) * std::max<int64_t>(1, max_items)));
+    const size_t slots = static_cast<size_t>(std::max<int64_t>(1, chunk)) * kTopK * kHeads;
+    CK(cudaMalloc(&pl->d_part_o16, 2 * slots * kHeadDim));  // the 16-bit q dtype
+    CK(cudaMalloc(reinterpret_cast<void**>(&pl->d_part_lse), sizeof(float) * slots));
   }
   return ATTNRT_OK;
 }
@@ -378,8 +413,19 @@ int32_t run_attend(const Sm90Plan& pl, const attnrt_tensors* t, void* stream) {
     static_cast<attnrt_cuda_common::AttendTensors&>(a) = attnrt_cuda_common::attend_tensors(*t, p);
     a.row_req = pl.d_row_req;
     a.row_pos = pl.d_row_pos;
+    a.kv_len = pl.d_kv_len;
     a.page_indptr = pl.d_page_indptr;
     a.page_ids = pl.d_page_ids;
+    a.blk_base = pl.d_blk_base;
+    a.blk_req = pl.d_blk_req;
+    a.entry_base = pl.d_entry_base;
+    a.entry_cap = pl.d_entry_cap;
+    a.counts = pl.d_counters;
+    a.entries = pl.d_entries;
+    a.items = pl.d_attend_items;
+    a.part_o = pl.d_part_o16;
+    a.part_lse = pl.d_part_lse;
+    a.total_blocks = pl.total_blocks;
     a.rows = pl.tokens;
     a.scale_log2 = p.sm_scale * 1.4426950408889634f;
     CK(static_cast<cudaError_t>(attnrt_cuda_sm90::launch_attend_extend(a, p.q_dtype, stream)));
