@@ -1,12 +1,12 @@
 // GPU tests of the Hopper fast-path plugin (libattnrt_cuda_sm90.so, backend "cuda_sm90"):
-// its fused decode indexer and sparse attend against the double-precision references of
+// its indexer and sparse attend, decode and extend, against the double-precision references of
 // sparse_harness.h (top-k ascending, unique, -1 padded, equal as sets up to near-ties, forced
 // blocks in; outputs within atol = rtol = 5e-3, lse 1e-3; repeats bit-identical; outputs
 // poisoned), both ops captured in one CUDA graph and replayed after update_plan, a 512k context,
 // the probe's reasons by name, and run() refusing (before writing) a cache whose pages are not
 // contiguous.
 // Every test skips without a CUDA device; on a device other than sm_90 only the probe test runs.
-// ATTNRT_GPU_BENCH=1 times it beside the generic cuda plugin's indexer on the M3 decode shapes.
+// ATTNRT_GPU_BENCH=1 times it beside the generic cuda plugin on the M3 decode and extend shapes.
 #include "sparse_harness.h"
 
 namespace {
