@@ -9,16 +9,16 @@
 #include <attnrt/plugin.h>
 
 #include "cuda_common/attend_tensors.h"
+#include "cuda_common/sparse_ops.h"
 
 #include <cstddef>
 #include <cstdint>
 
 namespace attnrt_cuda_sparse {
 
-inline bool is_sparse_op(int32_t op) {
-  return op == ATTNRT_OP_SPARSE_INDEX_EXTEND || op == ATTNRT_OP_SPARSE_INDEX_DECODE ||
-         op == ATTNRT_OP_SPARSE_ATTEND_EXTEND || op == ATTNRT_OP_SPARSE_ATTEND_DECODE;
-}
+using attnrt_cuda_common::is_decode_op;
+using attnrt_cuda_common::is_index_op;
+using attnrt_cuda_common::is_sparse_op;
 
 // OK when plan/run serve this problem on a device of compute capability cc_major.x.
 int32_t probe(const attnrt_problem* p, int cc_major, char* err, size_t cap);

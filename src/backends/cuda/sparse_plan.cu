@@ -63,13 +63,6 @@ void free_plan(SparsePlan* p) {
   delete p;
 }
 
-bool is_index_op(int32_t op) {
-  return op == ATTNRT_OP_SPARSE_INDEX_EXTEND || op == ATTNRT_OP_SPARSE_INDEX_DECODE;
-}
-bool is_decode_op(int32_t op) {
-  return op == ATTNRT_OP_SPARSE_INDEX_DECODE || op == ATTNRT_OP_SPARSE_ATTEND_DECODE;
-}
-
 int32_t plan_impl(const attnrt_problem* p, const attnrt_layout* L, int sms, SparsePlan* pl,
                   char* err, size_t cap) {
   const int n = L->num_requests;

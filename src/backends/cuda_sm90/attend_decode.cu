@@ -19,6 +19,7 @@
 
 #include "attend_decode.h"
 #include "cuda_common/mma_sm80.cuh"
+#include "cuda_common/warp_tile.cuh"
 #include "index_decode.h"
 
 namespace attnrt_cuda_sm90 {
@@ -29,7 +30,6 @@ using namespace attnrt_cuda_common;
 constexpr int kThreads = 128;
 constexpr int kKeys = kBlock;       // keys of a block, 32 per warp
 constexpr int kDT = kHeadDim / 8;   // O n-tiles
-constexpr int kDK = kHeadDim / 16;  // QK k-steps
 constexpr float kLn2 = 0.6931471805599453f;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr size_t kSmemElems = static_cast<size_t>(kHeads + 2 * kKeys) * kHeadDim;
@@ -79,73 +79,16 @@ __global__ void __launch_bounds__(kThreads, 3) attend_decode_kernel(AttendDecode
     cp_wait<0>();
     __syncthreads();
 
-    // S = Q K^T over this warp's 32 keys.
+    // S = Q K^T, softmax (keys past kv_len masked) and O = P V over this warp's 32 keys.
     const int wkey = warp * 32;
     float s[4][4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
-#pragma unroll
-    for (int kk = 0; kk < kDK; ++kk) {
-      uint32_t af[4];
-      ldsm_x4(af, smem_u32(sQ + swz<kHeadDim>(lane & 15, kk * 16 + (lane >> 4) * 8)));
-#pragma unroll
-      for (int np = 0; np < 2; ++np) {
-        uint32_t bf[4];
-        const int key = wkey + np * 16 + (lane >> 4) * 8 + (lane & 7);
-        ldsm_x4(bf, smem_u32(sK + swz<kHeadDim>(key, kk * 16 + ((lane >> 3) & 1) * 8)));
-        Mma<T>::run(s[2 * np], af, bf[0], bf[1]);
-        Mma<T>::run(s[2 * np + 1], af, bf[2], bf[3]);
-      }
-    }
-    // Softmax of rows g (elements 0, 1) and g + 8 (elements 2, 3), log2 domain.
+    warp_qk<T, kHeadDim>(s, sQ, sK, wkey);
     float m[2], l[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float mx = -INFINITY;
-#pragma unroll
-      for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-        for (int e = 2 * r; e < 2 * r + 2; ++e) {
-          const int j = j0 + wkey + nt * 8 + 2 * t4 + (e & 1);
-          s[nt][e] = j < jend ? s[nt][e] * a.scale_log2 : -INFINITY;
-          mx = fmaxf(mx, s[nt][e]);
-        }
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float base = mx == -INFINITY ? 0.f : mx;
-      float sum = 0.f;
-#pragma unroll
-      for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-        for (int e = 2 * r; e < 2 * r + 2; ++e) {
-          s[nt][e] = fast_exp2(s[nt][e] - base);
-          sum += s[nt][e];
-        }
-      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-      m[r] = mx;
-      l[r] = sum;
-    }
-    // O = P V over the same 32 keys.
+    warp_softmax(s, j0 + wkey, a.scale_log2, [&](int j) { return j < jend; }, m, l);
     float o[kDT][4];
 #pragma unroll
     for (int i = 0; i < kDT; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
-#pragma unroll
-    for (int ks = 0; ks < 2; ++ks) {
-      uint32_t pf[4];
-      pf[0] = Mma<T>::pack(s[2 * ks][0], s[2 * ks][1]);
-      pf[1] = Mma<T>::pack(s[2 * ks][2], s[2 * ks][3]);
-      pf[2] = Mma<T>::pack(s[2 * ks + 1][0], s[2 * ks + 1][1]);
-      pf[3] = Mma<T>::pack(s[2 * ks + 1][2], s[2 * ks + 1][3]);
-      const int key = wkey + ks * 16 + ((lane >> 3) & 1) * 8 + (lane & 7);
-#pragma unroll
-      for (int dp = 0; dp < kDT / 2; ++dp) {
-        uint32_t bf[4];
-        ldsm_x4_t(bf, smem_u32(sV + swz<kHeadDim>(key, dp * 16 + (lane >> 4) * 8)));
-        Mma<T>::run(o[2 * dp], pf, bf[0], bf[1]);
-        Mma<T>::run(o[2 * dp + 1], pf, bf[2], bf[3]);
-      }
-    }
+    warp_pv<T, kHeadDim>(o, s, sV, wkey);
     // Merge the 4 warps (same rows, different keys) through shared memory; sK is free now.
     __syncthreads();
     float* red = reinterpret_cast<float*>(sK);  // [4][16][128] floats = the K tile's bytes

@@ -24,6 +24,7 @@
 #include "attend_decode.h"
 #include "attend_extend.h"
 #include "cuda_common/mma_sm80.cuh"
+#include "cuda_common/warp_tile.cuh"
 #include "index_decode.h"
 
 namespace attnrt_cuda_sm90 {
@@ -34,7 +35,6 @@ using namespace attnrt_cuda_common;
 constexpr int kThreads = 128;
 constexpr int kWarps = kThreads / 32;
 constexpr int kDT = kHeadDim / 8;   // O n-tiles
-constexpr int kDK = kHeadDim / 16;  // QK k-steps
 constexpr int kKT = kBlock / 8;     // S n-tiles
 constexpr int kTileElems = kBlock * kHeadDim;
 constexpr int kQElems = kHeads * kHeadDim;
@@ -127,68 +127,14 @@ __global__ void __launch_bounds__(kThreads, 2) attend_blocks_kernel(AttendExtend
     const int pos = a.row_pos[row];
     const T* sq = sQ + (n & 1) * kQElems;
     float s[kKT][4];
-#pragma unroll
-    for (int x = 0; x < kKT; ++x) s[x][0] = s[x][1] = s[x][2] = s[x][3] = 0.f;
-#pragma unroll
-    for (int kk = 0; kk < kDK; ++kk) {
-      uint32_t qa[4];
-      ldsm_x4(qa, smem_u32(sq + swz<kHeadDim>(lane & 15, kk * 16 + (lane >> 4) * 8)));
-#pragma unroll
-      for (int np = 0; np < kKT / 2; ++np) {
-        uint32_t bf[4];
-        const int key = np * 16 + (lane >> 4) * 8 + (lane & 7);
-        ldsm_x4(bf, smem_u32(sK + swz<kHeadDim>(key, kk * 16 + ((lane >> 3) & 1) * 8)));
-        Mma<T>::run(s[2 * np], qa, bf[0], bf[1]);
-        Mma<T>::run(s[2 * np + 1], qa, bf[2], bf[3]);
-      }
-    }
+    warp_qk<T, kHeadDim>(s, sq, sK, 0);
     const bool own = j0 + kBlock - 1 > pos;  // the token's own block: keys past pos masked
-    float m[2], l[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float mx = -INFINITY;
-#pragma unroll
-      for (int x = 0; x < kKT; ++x)
-#pragma unroll
-        for (int e = 2 * r; e < 2 * r + 2; ++e) {
-          const int j = j0 + x * 8 + 2 * t4 + (e & 1);
-          s[x][e] = own && j > pos ? -INFINITY : s[x][e] * a.scale_log2;
-          mx = fmaxf(mx, s[x][e]);
-        }
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));  // finite: key j0 <= pos
-      float sum = 0.f;
-#pragma unroll
-      for (int x = 0; x < kKT; ++x)
-#pragma unroll
-        for (int e = 2 * r; e < 2 * r + 2; ++e) {
-          s[x][e] = fast_exp2(s[x][e] - mx);
-          sum += s[x][e];
-        }
-      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-      m[r] = mx;
-      l[r] = sum;
-    }
+    float m[2], l[2];  // m finite: key j0 <= pos
+    warp_softmax(s, j0, a.scale_log2, [&](int j) { return !(own && j > pos); }, m, l);
     float o[kDT][4];
 #pragma unroll
     for (int x = 0; x < kDT; ++x) o[x][0] = o[x][1] = o[x][2] = o[x][3] = 0.f;
-#pragma unroll
-    for (int ks = 0; ks < kBlock / 16; ++ks) {
-      uint32_t pf[4];
-      pf[0] = Mma<T>::pack(s[2 * ks][0], s[2 * ks][1]);
-      pf[1] = Mma<T>::pack(s[2 * ks][2], s[2 * ks][3]);
-      pf[2] = Mma<T>::pack(s[2 * ks + 1][0], s[2 * ks + 1][1]);
-      pf[3] = Mma<T>::pack(s[2 * ks + 1][2], s[2 * ks + 1][3]);
-      const int key = ks * 16 + ((lane >> 3) & 1) * 8 + (lane & 7);
-#pragma unroll
-      for (int dp = 0; dp < kDT / 2; ++dp) {
-        uint32_t bf[4];
-        ldsm_x4_t(bf, smem_u32(sV + swz<kHeadDim>(key, dp * 16 + (lane >> 4) * 8)));
-        Mma<T>::run(o[2 * dp], pf, bf[0], bf[1]);
-        Mma<T>::run(o[2 * dp + 1], pf, bf[2], bf[3]);
-      }
-    }
+    warp_pv<T, kHeadDim>(o, s, sV, 0);
     T* po = static_cast<T*>(a.part_o) + static_cast<int64_t>(slot) * kQElems;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {

@@ -13,19 +13,25 @@ constexpr int kTopK = 16;
 constexpr int kMaxBlocks = 16384;  // per request (2M tokens): the last CTA's scores fit in smem
 constexpr int kMaxBlocksPerCta = 8;  // blocks_per_cta <= this (the plan's choice)
 
-struct IndexDecodeArgs {
-  const void* q;           // index_q [n, 1, 128]
+// What the decode and extend indexers both read and write (filled in one place by the plugin).
+struct IndexArgsBase {
+  const void* q;           // index_q [T, 1, 128]
   const void* kc;          // index_k_cache [pages, 128, 1, 128], each page contiguous
   int64_t q_s0, k_s0;      // element strides of a q row and of a page
   const int32_t* kv_len;   // [n]
   const int32_t* page_indptr;
   const int32_t* page_ids;
-  float* scores;           // [n, block_capacity]
-  int32_t* counters;       // [n], zero between launches
-  int32_t* topk;           // [1, n, 16] with strides t_s1, t_s2
+  float* scores;           // the plan's block scores
+  int32_t* topk;           // [1, T, 16] with strides t_s1, t_s2
   int64_t t_s1, t_s2;
-  int n, block_capacity, blocks_per_cta, ctas_per_request, init_blocks, local_blocks;
+  int init_blocks, local_blocks;
   float scale;             // index_scale
+};
+
+// Decode: T = n, scores [n, block_capacity].
+struct IndexDecodeArgs : IndexArgsBase {
+  int32_t* counters;       // [n], zero between launches
+  int n, block_capacity, blocks_per_cta, ctas_per_request;
 };
 
 // Launches on `stream`; returns a cudaError_t as int. dtype: ATTNRT_BF16 or ATTNRT_F16.

@@ -5,6 +5,8 @@
 
 #include <cstdint>
 
+#include "index_decode.h"
+
 namespace attnrt_cuda_sm90 {
 
 constexpr int kIndexTileRows = 128;   // query tokens per score tile
@@ -15,25 +17,15 @@ struct IndexExtendItem {
   int32_t b, t0, c0, c1;
 };
 
-struct IndexExtendArgs {
-  const void* q;   // index_q [T, 1, 128]
-  const void* kc;  // index_k_cache [pages, 128, 1, 128], each page contiguous
-  int64_t q_s0, k_s0;
-  const int32_t* q_len;      // [n]
-  const int32_t* kv_len;     // [n]
-  const int64_t* q_indptr;   // [n + 1]
-  const int32_t* page_indptr;
-  const int32_t* page_ids;
-  const int64_t* score_base;  // [n]: offset of request b's [q_len, nblk] score matrix
+// Extend: scores hold request b's [q_len, nblk] matrix at score_base[b].
+struct IndexExtendArgs : IndexArgsBase {
+  const int32_t* q_len;       // [n]
+  const int64_t* q_indptr;    // [n + 1]
+  const int64_t* score_base;  // [n]
   const int32_t* row_req;     // [T]: request of each token
   const IndexExtendItem* items;
   int num_items;
   int64_t total_tokens;
-  float* scores;
-  int32_t* topk;  // [1, T, 16] with strides t_s1, t_s2
-  int64_t t_s1, t_s2;
-  int init_blocks, local_blocks;
-  float scale;  // index_scale
 };
 
 // Launches both kernels on `stream`; returns a cudaError_t as int. dtype: ATTNRT_BF16 or F16.

@@ -30,11 +30,14 @@
 #include "attend_decode.h"
 #include "attend_extend.h"
 #include "cuda_common/device_runtime.h"
+#include "cuda_common/sparse_ops.h"
 #include "index_decode.h"
 #include "index_extend.h"
 
 namespace {
 
+using attnrt_cuda_common::is_decode_op;
+using attnrt_cuda_common::is_index_op;
 using attnrt_cuda_common::upload;
 using attnrt_cuda_sm90::kBlock;
 using attnrt_cuda_sm90::kDim;
@@ -65,13 +68,6 @@ int32_t fail(int32_t status, const char* fmt, ...) {
 attnrt_cuda_common::DeviceRuntime g_rt("cuda_sm90");
 
 int32_t check_device(attnrt_device d) { return g_rt.check(d, g_error, sizeof g_error); }
-
-bool is_decode(int32_t op) {
-  return op == ATTNRT_OP_SPARSE_INDEX_DECODE || op == ATTNRT_OP_SPARSE_ATTEND_DECODE;
-}
-bool is_index(int32_t op) {
-  return op == ATTNRT_OP_SPARSE_INDEX_DECODE || op == ATTNRT_OP_SPARSE_INDEX_EXTEND;
-}
 
 // A plan: device copies of the layout (decode: with room to grow), the per-request completion
 // counters of the fused decode kernels, the indexer's score matrix or attend's split partials,
@@ -130,7 +126,7 @@ int32_t p_probe(const attnrt_problem* p) {
   static const char* const kOps[] = {"dense_extend",         "dense_decode",
                                      "sparse_index_extend",  "sparse_index_decode",
                                      "sparse_attend_extend", "sparse_attend_decode"};
-  const bool index = is_index(p->op);
+  const bool index = is_index_op(p->op);
   if (!index && p->op != ATTNRT_OP_SPARSE_ATTEND_DECODE &&
       p->op != ATTNRT_OP_SPARSE_ATTEND_EXTEND)  // plugin.h's wording for such ops
     return fail(ATTNRT_UNAVAILABLE,
@@ -225,7 +221,7 @@ int32_t plan_extend(const attnrt_problem* p, const attnrt_layout* L, Sm90Plan* p
       upload(&pl->d_page_ids, L->page_ids, total_pages, 0, e, ec) ||
       upload(&pl->d_row_req, row_req.data(), T, 0, e, ec))
     return ATTNRT_INTERNAL;
-  if (is_index(p->op)) {
+  if (is_index_op(p->op)) {
     std::vector<int64_t> q_indptr(L->q_indptr, L->q_indptr + n + 1);
     if (upload(&pl->d_q_len, L->q_len, n, 0, e, ec) ||
         upload(&pl->d_kv_len, L->kv_len, n, 0, e, ec) ||
@@ -263,7 +259,7 @@ int32_t plan_impl(const attnrt_problem* p, const attnrt_layout* L, Sm90Plan* pl)
   const int n = L->num_requests;
   pl->problem = *p;
   pl->n = n;
-  if (!is_decode(p->op)) return plan_extend(p, L, pl);
+  if (!is_decode_op(p->op)) return plan_extend(p, L, pl);
   int max_blk = 1;
   for (int b = 0; b < n; ++b) max_blk = std::max(max_blk, (L->kv_len[b] + kBlock - 1) / kBlock);
   // Room for 16 more blocks than the longest request, so update_plan absorbs later steps.
@@ -343,52 +339,41 @@ int32_t run_index(const Sm90Plan& pl, const attnrt_tensors* t, void* stream) {
                 static_cast<long long>(ik.strides[2]), static_cast<long long>(ik.strides[3]));
   if (!rows_aligned(iq)) return fail(ATTNRT_UNAVAILABLE, "cuda_sm90 needs 16-byte aligned index_q rows");
   CK(cudaSetDevice(p.device.index));
+  attnrt_cuda_sm90::IndexArgsBase base{};
+  base.q = iq.data;
+  base.kc = ik.data;
+  base.q_s0 = iq.strides[0];
+  base.k_s0 = ik.strides[0];
+  base.kv_len = pl.d_kv_len;
+  base.page_indptr = pl.d_page_indptr;
+  base.page_ids = pl.d_page_ids;
+  base.scores = pl.d_scores;
+  base.topk = static_cast<int32_t*>(tk.data);
+  base.t_s1 = tk.strides[1];
+  base.t_s2 = tk.strides[2];
+  base.init_blocks = p.init_blocks;
+  base.local_blocks = p.local_blocks;
+  base.scale = p.index_scale;
   if (p.op == ATTNRT_OP_SPARSE_INDEX_EXTEND) {
     attnrt_cuda_sm90::IndexExtendArgs a{};
-    a.q = iq.data;
-    a.kc = ik.data;
-    a.q_s0 = iq.strides[0];
-    a.k_s0 = ik.strides[0];
+    static_cast<attnrt_cuda_sm90::IndexArgsBase&>(a) = base;
     a.q_len = pl.d_q_len;
-    a.kv_len = pl.d_kv_len;
     a.q_indptr = pl.d_q_indptr;
-    a.page_indptr = pl.d_page_indptr;
-    a.page_ids = pl.d_page_ids;
     a.score_base = pl.d_score_base;
     a.row_req = pl.d_row_req;
     a.items = pl.d_items;
     a.num_items = pl.num_items;
     a.total_tokens = pl.tokens;
-    a.scores = pl.d_scores;
-    a.topk = static_cast<int32_t*>(tk.data);
-    a.t_s1 = tk.strides[1];
-    a.t_s2 = tk.strides[2];
-    a.init_blocks = p.init_blocks;
-    a.local_blocks = p.local_blocks;
-    a.scale = p.index_scale;
     CK(static_cast<cudaError_t>(attnrt_cuda_sm90::launch_index_extend(a, p.q_dtype, stream)));
     return ATTNRT_OK;
   }
   attnrt_cuda_sm90::IndexDecodeArgs a{};
-  a.q = iq.data;
-  a.kc = ik.data;
-  a.q_s0 = iq.strides[0];
-  a.k_s0 = ik.strides[0];
-  a.kv_len = pl.d_kv_len;
-  a.page_indptr = pl.d_page_indptr;
-  a.page_ids = pl.d_page_ids;
-  a.scores = pl.d_scores;
+  static_cast<attnrt_cuda_sm90::IndexArgsBase&>(a) = base;
   a.counters = pl.d_counters;
-  a.topk = static_cast<int32_t*>(tk.data);
-  a.t_s1 = tk.strides[1];
-  a.t_s2 = tk.strides[2];
   a.n = pl.n;
   a.block_capacity = pl.block_capacity;
   a.blocks_per_cta = pl.blocks_per_cta;
   a.ctas_per_request = pl.ctas_per_request;
-  a.init_blocks = p.init_blocks;
-  a.local_blocks = p.local_blocks;
-  a.scale = p.index_scale;
   CK(static_cast<cudaError_t>(attnrt_cuda_sm90::launch_index_decode(a, p.q_dtype, stream)));
   return ATTNRT_OK;
 }
@@ -449,7 +434,7 @@ int32_t p_run(attnrt_plan plan, const attnrt_tensors* t, void* stream) {
   try {
     if (!plan) return fail(ATTNRT_INVALID, "null plan");
     const Sm90Plan& pl = *reinterpret_cast<const Sm90Plan*>(plan);
-    return is_index(pl.problem.op) ? run_index(pl, t, stream) : run_attend(pl, t, stream);
+    return is_index_op(pl.problem.op) ? run_index(pl, t, stream) : run_attend(pl, t, stream);
   } catch (...) {
     return fail(ATTNRT_INTERNAL, "exception in cuda_sm90 run");
   }
@@ -461,7 +446,7 @@ int32_t p_update_plan(attnrt_plan plan, const attnrt_layout* L) {
   try {
     if (!plan) return fail(ATTNRT_INVALID, "null plan");
     Sm90Plan* pl = reinterpret_cast<Sm90Plan*>(plan);
-    if (!is_decode(pl->problem.op))
+    if (!is_decode_op(pl->problem.op))
       return fail(ATTNRT_UNAVAILABLE, "update_plan serves decode plans only");
     const int n = L->num_requests;
     if (n != pl->n) return fail(ATTNRT_UNAVAILABLE, "update_plan: %d requests, plan has %d", n, pl->n);
