@@ -22,6 +22,9 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | t
 if has tests; then
   timeout 240 "$B/bin/attnrt_gpu_tests" --gtest_filter=-*Bench* 2>&1 | tee "$OUT/gpu_tests.log" |
     grep -vE "^\[ RUN|^\[       OK" | tail -30
+  # The same suite on the mma.sync kernels (sm_90 runs dense_extend at d=128 on wgmma otherwise).
+  ATTNRT_CUDA_WGMMA=0 timeout 240 "$B/bin/attnrt_gpu_tests" --gtest_filter=-*Bench* 2>&1 |
+    tee "$OUT/gpu_tests_mma.log" | grep -E "device:|PASSED|FAILED|Failure" | tail -10
 fi
 if has sparse; then
   timeout 240 "$B/bin/attnrt_gpu_sparse_tests" --gtest_filter=-*Bench* 2>&1 |

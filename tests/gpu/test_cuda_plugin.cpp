@@ -270,6 +270,12 @@ TEST(CudaPlugin, LoadsAndReportsDevice) {
   OKC(g_plugin->describe_device({1, 0}, buf, sizeof buf));
   EXPECT_NE(std::string(buf).find("sm_"), std::string::npos) << buf;
   std::printf("device: %s\n", buf);
+  // On compute capability 9.0 the extend tests below run the wgmma kernel unless it is turned off.
+  const char* w = std::getenv("ATTNRT_CUDA_WGMMA");
+  const bool off = w != nullptr && std::strcmp(w, "0") == 0;
+  if (std::string(buf).find("sm_90") != std::string::npos) {
+    EXPECT_EQ(std::string(buf).find("wgmma") != std::string::npos, !off) << buf;
+  }
 }
 
 TEST(CudaPlugin, ProbeReasons) {
@@ -319,6 +325,33 @@ TEST(CudaPlugin, ExtendRandomSweep) {
     }
     SCOPED_TRACE(it);
     expect_good(c, 100 + it);
+  }
+}
+
+// Prompts of several 128-row query tiles over contexts of several 128-key tiles, prefixes not a
+// multiple of the tile: the d = 128 extend kernels' tile loop, diagonal masks and paging.
+TEST(CudaPlugin, ExtendLongPrompts) {
+  REQUIRE_GPU();
+  std::mt19937 rng(4321);
+  const int pages[] = {1, 64, 128, 48, 16, 256};
+  for (int it = 0; it < 6; ++it) {
+    Case c;
+    c.op = ATTNRT_OP_DENSE_EXTEND;
+    c.dtype = it % 2 ? ATTNRT_F16 : ATTNRT_BF16;
+    c.d = 128;
+    c.page = pages[it];
+    c.hkv = 1 + it % 2;
+    c.hq = c.hkv * (it < 3 ? 4 : 2);
+    c.sink = it % 3 == 2;
+    c.lse = it != 4;
+    const int n = 1 + it % 3;
+    for (int b = 0; b < n; ++b) {
+      const int ql = 100 + static_cast<int>(rng() % 500);
+      c.q_len.push_back(ql);
+      c.kv_len.push_back(ql + static_cast<int>(rng() % 2) * static_cast<int>(rng() % 400));
+    }
+    SCOPED_TRACE(it);
+    expect_good(c, 300 + it);
   }
 }
 

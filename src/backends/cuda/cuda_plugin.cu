@@ -6,9 +6,11 @@
 //   * Device properties are read once in init(); probe/plan/run never query the capability.
 //   * plan() copies all metadata to plan-owned device buffers and allocates the split-KV partials;
 //     run() only launches kernels on the caller's stream (no allocation, no synchronization).
-//   * Dense kernels (dense_mma.cu): tensor-core mma.sync flash attention with cp.async K/V
-//     tiles for sm_80+ (extend: 64-row query tiles; decode: GQA group as the mma rows, split-KV
-//     with an lse merge). update_plan refreshes decode metadata in place for graph replay.
+//   * Dense kernels: tensor-core mma.sync flash attention with cp.async K/V tiles for sm_80+
+//     (dense_mma.cu; extend: 128-row query tiles; decode: GQA group as the mma rows, split-KV
+//     with an lse merge); on compute capability 9.0 dense_extend at head_dim 128 runs the wgmma
+//     kernel (dense_wgmma.cu) instead. update_plan refreshes decode metadata in place for graph
+//     replay.
 #include <attnrt/plugin.h>
 
 #include <cuda_bf16.h>
@@ -19,6 +21,7 @@
 #include <cmath>
 #include <cstdarg>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <new>
 #include <type_traits>
@@ -43,12 +46,23 @@ int32_t fail(int32_t status, const char* fmt, ...) {
 
 attnrt_cuda_common::DeviceRuntime g_rt("cuda");
 
+// The wgmma extend kernel is built for sm_90a, so it runs on compute capability 9.0 only.
+// ATTNRT_CUDA_WGMMA=0 keeps the mma.sync kernels there too (comparisons, tests); read in init.
+bool g_wgmma_allowed = true;
+bool uses_wgmma(const attnrt_cuda_common::DeviceInfo& d) {
+  return g_wgmma_allowed && d.major == 9 && d.minor == 0;
+}
+
 int32_t check_device(attnrt_device d) { return g_rt.check(d, g_error, sizeof g_error); }
 
 // ---------------------------------------------------------------------------------------------
 // ABI entry points (every one catches everything)
 
-int32_t p_init() { return g_rt.init(g_error, sizeof g_error); }
+int32_t p_init() {
+  const char* w = std::getenv("ATTNRT_CUDA_WGMMA");
+  g_wgmma_allowed = !(w != nullptr && std::strcmp(w, "0") == 0);
+  return g_rt.init(g_error, sizeof g_error);
+}
 
 int32_t p_device_count(int32_t kind, int32_t* count) { return g_rt.device_count(kind, count); }
 
@@ -83,8 +97,8 @@ int32_t p_plan(const attnrt_problem* p, const attnrt_layout* L, attnrt_plan* out
     if (attnrt_cuda_sparse::is_sparse_op(p->op))
       return attnrt_cuda_sparse::plan(p, L, g_rt.info(p->device.index).sms, out, g_error,
                                       sizeof g_error);
-    return attnrt_cuda_dense::plan(p, L, g_rt.info(p->device.index).sms, out, g_error,
-                                   sizeof g_error);
+    const attnrt_cuda_common::DeviceInfo& dev = g_rt.info(p->device.index);
+    return attnrt_cuda_dense::plan(p, L, dev.sms, uses_wgmma(dev), out, g_error, sizeof g_error);
   } catch (...) {
     return fail(ATTNRT_INTERNAL, "exception in cuda plan");
   }
@@ -159,7 +173,8 @@ int32_t p_synchronize(attnrt_device d) { return g_rt.synchronize(d, g_error, siz
 int32_t p_describe_device(attnrt_device d, char* buf, size_t cap) {
   if (int32_t s = check_device(d); s != ATTNRT_OK) return s;
   const attnrt_cuda_common::DeviceInfo& i = g_rt.info(d.index);
-  std::snprintf(buf, cap, "%s, sm_%d%d, %d SMs, mma.sync kernels", i.name, i.major, i.minor, i.sms);
+  std::snprintf(buf, cap, "%s, sm_%d%d, %d SMs, %s", i.name, i.major, i.minor, i.sms,
+                uses_wgmma(i) ? "wgmma extend + mma.sync kernels" : "mma.sync kernels");
   return ATTNRT_OK;
 }
 

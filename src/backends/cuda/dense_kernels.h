@@ -1,6 +1,7 @@
-// CUDA dense ops (dense_extend, dense_decode) of the CUDA plugin: tensor-core (mma.sync
-// m16n8k16, f32 accumulation) flash attention over the paged KV cache with cp.async
-// double-buffered K/V tiles (dense_mma.cu).
+// CUDA dense ops (dense_extend, dense_decode) of the CUDA plugin: tensor-core flash attention
+// (f32 accumulation) over the paged KV cache with cp.async double-buffered K/V tiles; mma.sync
+// m16n8k16 kernels for sm_80+ (dense_mma.cu) and, on sm_90, a wgmma extend kernel for head_dim
+// 128 (dense_wgmma.cu).
 //
 // cuda_plugin.cu calls only the functions below. A dense plan starts with its attnrt_problem
 // (like the sparse plan), so the plugin dispatches run/update/destroy on plan->op.
@@ -19,9 +20,10 @@ inline bool is_dense_op(int32_t op) {
 }
 
 // Builds a plan: extend -> query tiles (longest first); decode -> split count per request from
-// the multiprocessor count and the lengths, metadata at fixed device addresses.
-int32_t plan(const attnrt_problem* p, const attnrt_layout* layout, int sms, attnrt_plan* out,
-             char* err, size_t cap);
+// the multiprocessor count and the lengths, metadata at fixed device addresses. `wgmma`: the
+// device runs the Hopper extend kernel (compute capability 9.0; chosen once in init).
+int32_t plan(const attnrt_problem* p, const attnrt_layout* layout, int sms, bool wgmma,
+             attnrt_plan* out, char* err, size_t cap);
 // Decode: absorbs new kv_len / page ids for the same number of requests in place (same device
 // addresses, same grid), so that a CUDA graph captured over run() replays with the new lengths.
 // ATTNRT_UNAVAILABLE when the layout does not fit the plan (the host re-plans).

@@ -12,6 +12,7 @@
 // swizzle against bank conflicts, zero-fill past the end) into two shared-memory stages: the
 // next tile is in flight while the current one is computed.
 #include "dense_kernels.h"
+#include "dense_args.h"
 
 #include "cuda_common/attend_tensors.h"
 #include "cuda_common/device_runtime.h"
@@ -46,21 +47,6 @@ int32_t set_err(char* err, size_t cap, int32_t status, const char* what, cudaErr
     cudaError_t e_ = (call);                                                    \
     if (e_ != cudaSuccess) return set_err(err, cap, ATTNRT_INTERNAL, #call, e_); \
   } while (0)
-
-struct Args : AttendTensors {
-  int hq, group, page_size, page_shift;  // page_shift: log2(page_size), or -1
-  float scale_log2;
-  // Device metadata of the plan.
-  const int32_t* kv_len;
-  const int32_t* q_len;
-  const int32_t* q_start;  // first packed token of each request
-  const int32_t* page_indptr;
-  const int32_t* page_ids;
-  const int2* tiles;  // extend: (request, first query row of the tile)
-  int splits, head_chunks;  // decode
-  float* part_o;
-  float* part_lse;
-};
 
 template <int D, bool DECODE>
 struct Cfg {
@@ -101,10 +87,10 @@ __global__ void __launch_bounds__(kThreads, DECODE ? (D == 256 ? 1 : 3) : 2) att
   int b, kvh, key_begin, key_end, tok0 = 0, qs = 0, h_ext = 0, hc = 0, item = 0;
   int rows_valid;  // extend: query rows of the tile; decode: heads of the chunk
   if constexpr (!DECODE) {
-    const int2 tile = a.tiles[blockIdx.x];
+    const int2 tile = a.tiles[blockIdx.x / a.hq];  // head fastest: longest tiles first
     b = tile.x;
     qs = tile.y;
-    h_ext = blockIdx.y;
+    h_ext = blockIdx.x % a.hq;
     kvh = h_ext / a.group;
     const int kv = a.kv_len[b], ql = a.q_len[b];
     rows_valid = min(BQ, ql - qs);
@@ -459,6 +445,7 @@ struct DensePlan {
   attnrt_problem problem{};  // first member: the plugin dispatches on problem.op
   int n = 0;
   int num_tiles = 0;      // extend
+  bool wgmma = false;     // extend: the Hopper kernel serves this plan
   int splits = 1;         // decode: per request (uniform, so the grid is fixed for graphs)
   int head_chunks = 1;    // decode: ceil(group / 16)
   int page_capacity = 0;  // decode: page_ids entries the device buffer holds
@@ -534,7 +521,11 @@ int32_t launch(const DensePlan& pl, const Args& a, cudaStream_t st, char* err, s
   const attnrt_problem& p = pl.problem;
   if (p.op == ATTNRT_OP_DENSE_EXTEND) {
     if (pl.num_tiles == 0) return ATTNRT_OK;
-    attn_mma_kernel<T, D, false><<<dim3(pl.num_tiles, p.num_q_heads), kThreads,
+    if (pl.wgmma) {
+      DK_CK(launch_extend_wgmma<T>(a, pl.num_tiles, st));
+      return ATTNRT_OK;
+    }
+    attn_mma_kernel<T, D, false><<<pl.num_tiles * p.num_q_heads, kThreads,
                                    Cfg<D, false>::smem_bytes(sizeof(T)), st>>>(a);
     DK_CK(cudaGetLastError());
     return ATTNRT_OK;
@@ -568,15 +559,19 @@ int page_shift_of(int ps) {
   return s;
 }
 
-int32_t plan_impl(const attnrt_problem* p, const attnrt_layout* L, int sms, DensePlan* pl,
-                  char* err, size_t cap) {
+int32_t plan_impl(const attnrt_problem* p, const attnrt_layout* L, int sms, bool wgmma,
+                  DensePlan* pl, char* err, size_t cap) {
   pl->problem = *p;
+  pl->wgmma = wgmma && p->op == ATTNRT_OP_DENSE_EXTEND && p->head_dim == 128;
   const int n = L->num_requests;
   pl->n = n;
   DK_CK(cudaSetDevice(p->device.index));
   DK_CK(p->q_dtype == ATTNRT_BF16 ? prepare_t<__nv_bfloat16>(p->head_dim,
                                                              p->op == ATTNRT_OP_DENSE_DECODE)
                                   : prepare_t<__half>(p->head_dim, p->op == ATTNRT_OP_DENSE_DECODE));
+  if (pl->wgmma)
+    DK_CK(p->q_dtype == ATTNRT_BF16 ? prepare_extend_wgmma<__nv_bfloat16>()
+                                    : prepare_extend_wgmma<__half>());
   std::vector<int32_t> qstart(n + 1);
   for (int b = 0; b <= n; ++b) qstart[b] = static_cast<int32_t>(L->q_indptr[b]);
   const int total_pages = L->page_indptr[n];
@@ -591,6 +586,7 @@ int32_t plan_impl(const attnrt_problem* p, const attnrt_layout* L, int sms, Dens
     return s;
   if (!decode) {
     // Query tiles of BQ rows, the ones with the most visible keys first (they finish last).
+    static_assert(Cfg<128, false>::BQ == kWgmmaTileRows, "one tile list for both d=128 kernels");
     const int bq = p->head_dim == 64    ? Cfg<64, false>::BQ
                    : p->head_dim == 128 ? Cfg<128, false>::BQ
                                         : Cfg<256, false>::BQ;
@@ -629,14 +625,14 @@ int32_t plan_impl(const attnrt_problem* p, const attnrt_layout* L, int sms, Dens
 
 }  // namespace
 
-int32_t plan(const attnrt_problem* p, const attnrt_layout* L, int sms, attnrt_plan* out,
-             char* err, size_t cap) {
+int32_t plan(const attnrt_problem* p, const attnrt_layout* L, int sms, bool wgmma,
+             attnrt_plan* out, char* err, size_t cap) {
   DensePlan* pl = new (std::nothrow) DensePlan{};
   if (!pl) {
     std::snprintf(err, cap, "out of host memory");
     return ATTNRT_INTERNAL;
   }
-  if (int32_t s = plan_impl(p, L, sms, pl, err, cap); s != ATTNRT_OK) {
+  if (int32_t s = plan_impl(p, L, sms, wgmma, pl, err, cap); s != ATTNRT_OK) {
     free_plan(pl);
     return s;
   }

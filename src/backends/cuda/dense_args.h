@@ -1,0 +1,38 @@
+// Kernel arguments of the CUDA plugin's dense ops, shared by the mma.sync kernels (dense_mma.cu)
+// and the Hopper extend kernel (dense_wgmma.cu): the run's tensors plus the plan's device
+// metadata.
+#pragma once
+
+#include "cuda_common/attend_tensors.h"
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace attnrt_cuda_dense {
+
+struct Args : attnrt_cuda_common::AttendTensors {
+  int hq, group, page_size, page_shift;  // page_shift: log2(page_size), or -1
+  float scale_log2;
+  // Device metadata of the plan.
+  const int32_t* kv_len;
+  const int32_t* q_len;
+  const int32_t* q_start;  // first packed token of each request
+  const int32_t* page_indptr;
+  const int32_t* page_ids;
+  const int2* tiles;  // extend: (request, first query row of the tile)
+  int splits, head_chunks;  // decode
+  float* part_o;
+  float* part_lse;
+};
+
+// Hopper (sm_90a) dense_extend for head_dim 128: warpgroup MMA (wgmma) from shared memory, 128
+// query rows x 128 keys per step. Launches on `st`; the tiles of the plan are 128 query rows.
+// Grid: num_tiles x a.hq blocks, head index fastest.
+template <typename T>
+cudaError_t launch_extend_wgmma(const Args& a, int num_tiles, cudaStream_t st);
+template <typename T>
+cudaError_t prepare_extend_wgmma();
+constexpr int kWgmmaTileRows = 128;
+
+}  // namespace attnrt_cuda_dense

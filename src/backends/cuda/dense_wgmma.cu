@@ -1,0 +1,419 @@
+// Hopper dense_extend (sm_90a, head_dim 128, bf16/f16): warpgroup MMA (wgmma).
+//
+// A CTA of two warpgroups owns 128 query rows of one request and one query head (64 rows per
+// warpgroup) and walks the key tiles [0, last visible key] in steps of 128 keys:
+//   S = Q K^T   wgmma m64n128k16, Q and K read by the tensor cores from shared memory;
+//   online softmax on the S accumulators (log2 domain, causal mask only on tiles that cross it);
+//   O += P V    wgmma m64n128k16 with P in registers (the accumulator layout of S is the
+//               register layout of an A operand) and V read from shared memory as N-major B.
+// The two products are software-pipelined: step i issues S of tile i and P V of tile i - 1 back
+// to back, so the tensor cores run P V while the warpgroup computes the softmax of tile i. K/V
+// tiles are gathered row by row from the paged cache with cp.async (any page size, zero-fill past
+// the end) into two stages each: K of tile i + 1 and V of tile i are in flight during step i.
+// Shared-memory tiles use the 128-byte swizzle of the wgmma descriptors: a [rows][128] tile is two
+// 64-column panels of 128-byte rows whose 16-byte chunks are XOR-ed with (row & 7); K and V share
+// the layout (K is read K-major, V N-major).
+#include "dense_args.h"
+
+#include "cuda_common/mma_sm80.cuh"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cmath>
+
+namespace attnrt_cuda_dense {
+namespace {
+
+using namespace attnrt_cuda_common;
+
+constexpr int kD = 128;
+constexpr int kBQ = kWgmmaTileRows;  // query rows per CTA: 2 warpgroups x 64
+constexpr int kBK = 128;             // keys per step
+constexpr int kThreads = 256;
+constexpr uint32_t kQBytes = kBQ * kD * 2;
+constexpr uint32_t kTileBytes = kBK * kD * 2;  // one K or V stage
+constexpr uint32_t kPanel = kBK * 128;         // one 64-column panel of a K/V stage
+constexpr int kStages = 2;                     // K and V stages each
+constexpr size_t kSmemBytes = kQBytes + 2 * kStages * kTileBytes + 1024;  // + alignment slack
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+#define ATTNRT_WGMMA_M64N128K16(TY)                                                              \
+  /* d (+)= A B, A 64 x 16 and B (K tile rows) 16 x 128 both K-major in shared memory; */        \
+  /* acc = 0 overwrites d. */                                                                    \
+  static __device__ __forceinline__ void ss(float (&d)[64], uint64_t da, uint64_t db, int acc) { \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                    \
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f32" TY TY " "                         \
+                 "{%0, %1, %2, %3, %4, %5, %6, %7,"                                              \
+                 " %8, %9, %10, %11, %12, %13, %14, %15,"                                        \
+                 " %16, %17, %18, %19, %20, %21, %22, %23,"                                      \
+                 " %24, %25, %26, %27, %28, %29, %30, %31,"                                      \
+                 " %32, %33, %34, %35, %36, %37, %38, %39,"                                      \
+                 " %40, %41, %42, %43, %44, %45, %46, %47,"                                      \
+                 " %48, %49, %50, %51, %52, %53, %54, %55,"                                      \
+                 " %56, %57, %58, %59, %60, %61, %62, %63}, "                                    \
+                 "%64, %65, p, 1, 1, 0, 0;\n}\n"                                                 \
+                 :                                                                               \
+                   "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]),                               \
+                   "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),                               \
+                   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),                             \
+                   "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),                           \
+                   "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]),                           \
+                   "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),                           \
+                   "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),                           \
+                   "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),                           \
+                   "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),                           \
+                   "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),                           \
+                   "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]),                           \
+                   "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),                           \
+                   "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]),                           \
+                   "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),                           \
+                   "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]),                           \
+                   "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])                            \
+                 : "l"(da), "l"(db), "r"(acc));                                                  \
+  }                                                                                              \
+  /* d += A B, A 64 x 16 in registers (each warp's 16 rows as the mma.sync A fragment), */       \
+  /* B (V tile rows: keys x head dims) 16 x 128 N-major in shared memory. */                     \
+  static __device__ __forceinline__ void rs(float (&d)[64], const uint32_t* a, uint64_t db) {    \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"                                    \
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f32" TY TY " "                         \
+                 "{%0, %1, %2, %3, %4, %5, %6, %7,"                                              \
+                 " %8, %9, %10, %11, %12, %13, %14, %15,"                                        \
+                 " %16, %17, %18, %19, %20, %21, %22, %23,"                                      \
+                 " %24, %25, %26, %27, %28, %29, %30, %31,"                                      \
+                 " %32, %33, %34, %35, %36, %37, %38, %39,"                                      \
+                 " %40, %41, %42, %43, %44, %45, %46, %47,"                                      \
+                 " %48, %49, %50, %51, %52, %53, %54, %55,"                                      \
+                 " %56, %57, %58, %59, %60, %61, %62, %63}, "                                    \
+                 "{%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"                                   \
+                 :                                                                               \
+                   "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]),                               \
+                   "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),                               \
+                   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),                             \
+                   "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),                           \
+                   "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]),                           \
+                   "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),                           \
+                   "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),                           \
+                   "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),                           \
+                   "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),                           \
+                   "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),                           \
+                   "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]),                           \
+                   "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),                           \
+                   "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]),                           \
+                   "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),                           \
+                   "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]),                           \
+                   "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])                            \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));                 \
+  }
+
+template <typename T>
+struct Wgmma;
+template <>
+struct Wgmma<__nv_bfloat16> {
+  ATTNRT_WGMMA_M64N128K16(".bf16")
+};
+template <>
+struct Wgmma<__half> {
+  ATTNRT_WGMMA_M64N128K16(".f16")
+};
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+// Waits until at most N of this warpgroup's committed wgmma groups are pending.
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// Keeps the compiler from moving accumulator reads or writes across the asynchronous wgmma.
+__device__ __forceinline__ void pin(float (&d)[64]) {
+#pragma unroll
+  for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+// Makes this thread's completed cp.async writes visible to the tensor cores' (async proxy) reads.
+__device__ __forceinline__ void fence_async_smem() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+// Shared-memory matrix descriptor, 128-byte swizzle (the tile starts on a 1024-byte boundary).
+__device__ __forceinline__ uint64_t sw128_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
+  return static_cast<uint64_t>((addr & 0x3FFFFu) >> 4) | (static_cast<uint64_t>(lbo >> 4) << 16) |
+         (static_cast<uint64_t>(sbo >> 4) << 32) | (1ull << 62);
+}
+// Byte offset of 16-byte chunk c (0..15) of row r in a swizzled tile of 64-column panels.
+__device__ __forceinline__ uint32_t chunk_off(int r, int c, uint32_t panel_bytes) {
+  return (c >> 3) * panel_bytes + r * 128 + (((c & 7) ^ (r & 7)) << 4);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads, 1) extend_wgmma_kernel(const Args a) {
+  constexpr int S = kStages;
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  extern __shared__ unsigned char smem_raw[];
+  const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
+  const uint32_t sQ = base, sK = base + kQBytes, sV = sK + S * kTileBytes;
+  const int tid = threadIdx.x, wg = tid >> 7, lane = tid & 31;
+  const int g = lane >> 2, t4 = lane & 3;
+
+  // Block i = (tile i / Hq, head i % Hq): every head's longest tiles start first.
+  const int2 tile = a.tiles[blockIdx.x / a.hq];
+  const int h = blockIdx.x % a.hq, b = tile.x, qs = tile.y, kvh = h / a.group;
+  const int kv = a.kv_len[b], ql = a.q_len[b];
+  const int rows_valid = min(kBQ, ql - qs);
+  const int tok0 = a.q_start[b] + qs;
+  const int key_end = min(kv, kv - ql + qs + kBQ);
+  const T* __restrict__ q = static_cast<const T*>(a.q);
+  const T* __restrict__ kc = static_cast<const T*>(a.kc);
+  const T* __restrict__ vc = static_cast<const T*>(a.vc);
+  const int32_t* __restrict__ pages = a.page_ids + a.page_indptr[b];
+
+  // Loaders: thread owns 16-byte column chunk lc of rows lr0 + 16 i (i < 8).
+  const int lc = tid & 15, lr0 = tid >> 4;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int r = lr0 + 16 * i;
+    const bool valid = r < rows_valid;
+    const T* src = valid ? q + static_cast<int64_t>(tok0 + r) * a.q_s0 + h * a.q_s1 + lc * 8 : q;
+    // warpgroup r / 64 owns rows [64 wg, 64 wg + 64): its own two 8 KB panels
+    cp_async16(sQ + (r >> 6) * (kQBytes / 2) + chunk_off(r & 63, lc, kQBytes / 4), src, valid);
+  }
+  const int n_tiles = (key_end + kBK - 1) / kBK;
+  // Key rows t * 128 + lr0 + 16 i (i < 8) of tile t: their K and V addresses in the paged cache.
+  // Rows 16 apart share a page unless the second starts one, so a thread reads a page id only
+  // at its first row and where a page begins. K and V share the page table.
+  const T* __restrict__ kb = kc + kvh * a.k_s2 + lc * 8;
+  const T* __restrict__ vb = vc + kvh * a.v_s2 + lc * 8;
+  auto row_ptrs = [&](int t, const T* (&kp)[8], const T* (&vp)[8]) {
+    int64_t page = 0;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const int j = t * kBK + lr0 + 16 * i;
+      kp[i] = kc;
+      vp[i] = vc;
+      if (j < key_end) {
+        int pg, row;
+        if (a.page_shift >= 0) {
+          pg = j >> a.page_shift;
+          row = j & (a.page_size - 1);
+        } else {
+          pg = j / a.page_size;
+          row = j - pg * a.page_size;
+        }
+        if (i == 0 || row < 16) page = pages[pg];
+        kp[i] = kb + page * a.k_s0 + row * a.k_s1;
+        vp[i] = vb + page * a.v_s0 + row * a.v_s1;
+      }
+    }
+  };
+  // cp.async of the 8 rows of tile t into a stage (zero-fill past the end).
+  auto issue_rows = [&](const T* const (&ptr)[8], int t, uint32_t dst) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const int r = lr0 + 16 * i;
+      cp_async16(dst + chunk_off(r, lc, kPanel), ptr[i], t * kBK + r < key_end);
+    }
+  };
+  const T* vsave[8];  // V rows of the last tile whose K was started
+  auto load_k = [&](int t) {
+    if (t >= n_tiles) return;
+    const T* kp[8];
+    row_ptrs(t, kp, vsave);
+    issue_rows(kp, t, sK + (t % S) * kTileBytes);
+  };
+  auto load_v = [&](int t) {  // after load_k(t)
+    if (t >= 0 && t < n_tiles) issue_rows(vsave, t, sV + (t % S) * kTileBytes);
+  };
+
+  // Copy groups: group j = {V of tile j - 1, K of tile j} (group 0 adds Q). Groups 0 .. S - 2
+  // start here; step i starts group i + S - 1 and then waits for group i.
+#pragma unroll
+  for (int j = 0; j < S - 1; ++j) {
+    load_v(j - 1);
+    load_k(j);
+    cp_commit();
+  }
+
+  // Rows of this thread in the CTA tile: r0 (accumulator elements 0, 1 of each 8-column group)
+  // and r0 + 8 (elements 2, 3).
+  const int r0 = 64 * wg + 16 * ((tid >> 5) & 3) + g;
+  const int lim0 = min(kv, kv - ql + qs + r0 + 1), lim1 = min(kv, kv - ql + qs + r0 + 9);
+  float o[64];
+#pragma unroll
+  for (int i = 0; i < 64; ++i) o[i] = 0.f;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+  uint32_t p[32];  // P as A fragments: 16 keys per 4 registers
+  const uint32_t q_wg = sQ + wg * (kQBytes / 2);
+
+  auto wait_tile = [&](int it) {
+    load_v(it + S - 2);
+    load_k(it + S - 1);
+    cp_commit();
+    cp_wait<S - 1>();
+    fence_async_smem();
+    __syncthreads();
+  };
+  // S = Q K^T of tile it (head dim in 8 steps of 16: 4 per 64-column panel, 32 bytes apart).
+  auto issue_s = [&](int it, float(&s)[64]) {
+    const uint32_t k_st = sK + (it % S) * kTileBytes;
+#pragma unroll
+    for (int i = 0; i < 64; ++i) s[i] = 0.f;
+    pin(s);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk) {
+      const uint32_t koff = (kk & 3) * 32u;
+      Wgmma<T>::ss(s, sw128_desc(q_wg + (kk >> 2) * (kQBytes / 4) + koff, 16, 1024),
+                   sw128_desc(k_st + (kk >> 2) * kPanel + koff, 16, 1024), 1);
+    }
+    wgmma_commit();
+  };
+  // O += P V of tile t (keys in 8 steps of 16 = 2 groups of 8 rows, 2048 bytes apart; the two
+  // 64-column panels of V are the N-major repeats, kPanel apart).
+  auto issue_pv = [&](int t) {
+    const uint32_t v_st = sV + (t % S) * kTileBytes;
+    pin(o);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk)
+      Wgmma<T>::rs(o, p + 4 * kk, sw128_desc(v_st + kk * 2048, kPanel, 1024));
+    wgmma_commit();
+  };
+  // Mask and online softmax of tile it in place (log2 domain, scores scaled by
+  // sm_scale * log2 e); corr: the factor the running O must take.
+  auto softmax = [&](int it, float(&s)[64], float(&corr)[2]) {
+    const int j0 = it * kBK;
+    if (j0 + kBK > min(lim0, lim1)) {  // tiles that cross the diagonal or the end only
+#pragma unroll
+      for (int nt = 0; nt < 16; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int j = j0 + nt * 8 + 2 * t4 + (e & 1);
+          if (j >= ((e & 2) ? lim1 : lim0)) s[nt * 4 + e] = -INFINITY;
+        }
+    }
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      float mx = -INFINITY;
+#pragma unroll
+      for (int nt = 0; nt < 16; ++nt)
+        mx = fmaxf(mx, fmaxf(s[nt * 4 + 2 * hr], s[nt * 4 + 2 * hr + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float mn = fmaxf(m[hr], mx * a.scale_log2);
+      const float bias = mn == -INFINITY ? 0.f : mn;
+      corr[hr] = fast_exp2(m[hr] - bias);  // m = -inf -> 0
+      float sum = 0.f;
+#pragma unroll
+      for (int nt = 0; nt < 16; ++nt) {
+        const float p0 = fast_exp2(fmaf(s[nt * 4 + 2 * hr], a.scale_log2, -bias));
+        const float p1 = fast_exp2(fmaf(s[nt * 4 + 2 * hr + 1], a.scale_log2, -bias));
+        s[nt * 4 + 2 * hr] = p0;
+        s[nt * 4 + 2 * hr + 1] = p1;
+        sum += p0 + p1;
+      }
+      l[hr] = l[hr] * corr[hr] + sum;
+      m[hr] = mn;
+    }
+  };
+  auto rescale_and_pack = [&](const float(&s)[64], const float(&corr)[2]) {
+#pragma unroll
+    for (int dt = 0; dt < 16; ++dt) {
+      o[dt * 4 + 0] *= corr[0];
+      o[dt * 4 + 1] *= corr[0];
+      o[dt * 4 + 2] *= corr[1];
+      o[dt * 4 + 3] *= corr[1];
+    }
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk) {
+      p[4 * kk + 0] = Mma<T>::pack(s[8 * kk + 0], s[8 * kk + 1]);
+      p[4 * kk + 1] = Mma<T>::pack(s[8 * kk + 2], s[8 * kk + 3]);
+      p[4 * kk + 2] = Mma<T>::pack(s[8 * kk + 4], s[8 * kk + 5]);
+      p[4 * kk + 3] = Mma<T>::pack(s[8 * kk + 6], s[8 * kk + 7]);
+    }
+  };
+
+  if (n_tiles > 0) {
+    // Step it computes S of tile it while the tensor cores run P V of tile it - 1. The first
+    // step has no P V, the last (it = n_tiles) no S: no branch between a wgmma and its wait.
+    {
+      wait_tile(0);
+      float s[64], corr[2];
+      issue_s(0, s);
+      wgmma_wait<0>();
+      pin(s);
+      softmax(0, s, corr);
+      rescale_and_pack(s, corr);
+      __syncthreads();
+    }
+    for (int it = 1; it < n_tiles; ++it) {
+      wait_tile(it);
+      float s[64], corr[2];
+      issue_s(it, s);
+      issue_pv(it - 1);
+      wgmma_wait<1>();  // S done, P V may still run
+      pin(s);
+      softmax(it, s, corr);
+      wgmma_wait<0>();  // P V done before O is rescaled and P overwritten
+      pin(o);
+      rescale_and_pack(s, corr);
+      __syncthreads();
+    }
+    wait_tile(n_tiles);
+    issue_pv(n_tiles - 1);
+    wgmma_wait<0>();
+    pin(o);
+  }
+  cp_wait<0>();  // (no tiles: the Q copy)
+
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    l[hr] += __shfl_xor_sync(0xffffffffu, l[hr], 1);
+    l[hr] += __shfl_xor_sync(0xffffffffu, l[hr], 2);
+  }
+  T* __restrict__ out = static_cast<T*>(a.out);
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    const int row = r0 + 8 * hr;
+    float mm = m[hr], ll = l[hr], c = 1.f;
+    if (a.sink != nullptr) {
+      const float s2 = a.sink[h] * kLog2e;
+      const float mn = fmaxf(mm, s2);
+      c = exp2f(mm - mn);
+      ll = ll * c + exp2f(s2 - mn);
+      mm = mn;
+    }
+    if (row >= rows_valid) continue;
+    const float inv = ll > 0.f ? c / ll : 0.f;
+    T* orow = out + static_cast<int64_t>(tok0 + row) * a.o_s0 + h * a.o_s1 + 2 * t4;
+#pragma unroll
+    for (int dt = 0; dt < 16; ++dt)
+      *reinterpret_cast<uint32_t*>(orow + dt * 8) =
+          Mma<T>::pack(o[dt * 4 + 2 * hr] * inv, o[dt * 4 + 2 * hr + 1] * inv);
+    if (a.lse != nullptr && t4 == 0)
+      a.lse[static_cast<int64_t>(tok0 + row) * a.lse_s0 + h] =
+          ll > 0.f ? (mm + log2f(ll)) * kLn2 : -INFINITY;
+  }
+#endif
+}
+
+}  // namespace
+
+template <typename T>
+cudaError_t prepare_extend_wgmma() {
+  return cudaFuncSetAttribute(extend_wgmma_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                              static_cast<int>(kSmemBytes));
+}
+
+template <typename T>
+cudaError_t launch_extend_wgmma(const Args& a, int num_tiles, cudaStream_t st) {
+  extend_wgmma_kernel<T><<<num_tiles * a.hq, kThreads, kSmemBytes, st>>>(a);
+  return cudaGetLastError();
+}
+
+template cudaError_t prepare_extend_wgmma<__nv_bfloat16>();
+template cudaError_t prepare_extend_wgmma<__half>();
+template cudaError_t launch_extend_wgmma<__nv_bfloat16>(const Args&, int, cudaStream_t);
+template cudaError_t launch_extend_wgmma<__half>(const Args&, int, cudaStream_t);
+
+}  // namespace attnrt_cuda_dense
