@@ -17,6 +17,7 @@
 #include "cuda_common/attend_tensors.h"
 #include "cuda_common/device_runtime.h"
 #include "cuda_common/mma_sm80.cuh"
+#include "cuda_common/softmax_state.cuh"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -34,8 +35,6 @@ namespace {
 using namespace attnrt_cuda_common;
 
 constexpr int kThreads = 128;
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
 
 int32_t set_err(char* err, size_t cap, int32_t status, const char* what, cudaError_t e) {
   std::snprintf(err, cap, "%s: %s (%s)", what, cudaGetErrorName(e), cudaGetErrorString(e));
@@ -324,14 +323,8 @@ __global__ void __launch_bounds__(kThreads, DECODE ? (D == 256 ? 1 : 3) : 2) att
     for (int q = 0; q < NQ; ++q) {
       const int mr = q >> 1, h = (q & 1) * 2;
       const int row = wrow + mr * 16 + g + 8 * (q & 1);
-      float mm = m[q], ll = l[q], c = 1.f;
-      if (a.sink != nullptr) {
-        const float s2 = a.sink[h_ext] * kLog2e;
-        const float mn = fmaxf(mm, s2);
-        c = exp2f(mm - mn);
-        ll = ll * c + exp2f(s2 - mn);
-        mm = mn;
-      }
+      float mm = m[q], ll = l[q];
+      const float c = a.sink != nullptr ? fold_sink(mm, ll, a.sink[h_ext]) : 1.f;
       if (row >= rows_valid) continue;
       const float inv = ll > 0.f ? c / ll : 0.f;
       T* orow = out + static_cast<int64_t>(tok0 + row) * a.o_s0 + h_ext * a.o_s1 + 2 * t4;
@@ -342,7 +335,7 @@ __global__ void __launch_bounds__(kThreads, DECODE ? (D == 256 ? 1 : 3) : 2) att
       }
       if (a.lse != nullptr && t4 == 0)
         a.lse[static_cast<int64_t>(tok0 + row) * a.lse_s0 + h_ext] =
-            ll > 0.f ? (mm + log2f(ll)) * kLn2 : -INFINITY;
+            natural_lse(mm, ll);
     }
   } else {
     // Merge the 4 warps (same rows, different keys) through shared memory (K/V stages are free).
@@ -389,7 +382,7 @@ __global__ void __launch_bounds__(kThreads, DECODE ? (D == 256 ? 1 : 3) : 2) att
       }
       const int64_t prow = static_cast<int64_t>(item) * a.hq + hq0 + row;
       a.part_o[prow * D + d] = L > 0.f ? acc / L : 0.f;  // empty split: o = 0
-      if (d == 0) a.part_lse[prow] = L > 0.f ? M + log2f(L) : -INFINITY;
+      if (d == 0) a.part_lse[prow] = log2_lse(M, L);
     }
   }
 }
@@ -418,13 +411,9 @@ __global__ void decode_merge_kernel(Args a, int n) {
     }
   }
   if (a.sink != nullptr) {
-    const float s2 = a.sink[h] * kLog2e;
-    const float mn = fmaxf(M, s2);
-    const float c = M == -INFINITY ? 0.f : exp2f(M - mn);
-    L = L * c + exp2f(s2 - mn);
+    const float c = fold_sink(M, L, a.sink[h]);
 #pragma unroll
     for (int k = 0; k < NV; ++k) acc[k] *= c;
-    M = mn;
   }
   const float inv = L > 0.f ? 1.f / L : 0.f;
   const int64_t tok = a.q_start[b];
@@ -435,7 +424,7 @@ __global__ void decode_merge_kernel(Args a, int n) {
     *reinterpret_cast<uint32_t*>(orow + k) = v;
   }
   if (a.lse != nullptr && lane == 0)
-    a.lse[tok * a.lse_s0 + h] = L > 0.f ? (M + log2f(L)) * kLn2 : -INFINITY;
+    a.lse[tok * a.lse_s0 + h] = natural_lse(M, L);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@
 #include "dense_args.h"
 
 #include "cuda_common/mma_sm80.cuh"
+#include "cuda_common/softmax_state.cuh"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -36,8 +37,6 @@ constexpr uint32_t kTileBytes = kBK * kD * 2;  // one K or V stage
 constexpr uint32_t kPanel = kBK * 128;         // one 64-column panel of a K/V stage
 constexpr int kStages = 2;                     // K and V stages each
 constexpr size_t kSmemBytes = kQBytes + 2 * kStages * kTileBytes + 1024;  // + alignment slack
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
 
 #define ATTNRT_WGMMA_M64N128K16(TY)                                                              \
   /* d (+)= A B, A 64 x 16 and B (K tile rows) 16 x 128 both K-major in shared memory; */        \
@@ -375,14 +374,8 @@ __global__ void __launch_bounds__(kThreads, 1) extend_wgmma_kernel(const Args a)
 #pragma unroll
   for (int hr = 0; hr < 2; ++hr) {
     const int row = r0 + 8 * hr;
-    float mm = m[hr], ll = l[hr], c = 1.f;
-    if (a.sink != nullptr) {
-      const float s2 = a.sink[h] * kLog2e;
-      const float mn = fmaxf(mm, s2);
-      c = exp2f(mm - mn);
-      ll = ll * c + exp2f(s2 - mn);
-      mm = mn;
-    }
+    float mm = m[hr], ll = l[hr];
+    const float c = a.sink != nullptr ? fold_sink(mm, ll, a.sink[h]) : 1.f;
     if (row >= rows_valid) continue;
     const float inv = ll > 0.f ? c / ll : 0.f;
     T* orow = out + static_cast<int64_t>(tok0 + row) * a.o_s0 + h * a.o_s1 + 2 * t4;
@@ -392,7 +385,7 @@ __global__ void __launch_bounds__(kThreads, 1) extend_wgmma_kernel(const Args a)
           Mma<T>::pack(o[dt * 4 + 2 * hr] * inv, o[dt * 4 + 2 * hr + 1] * inv);
     if (a.lse != nullptr && t4 == 0)
       a.lse[static_cast<int64_t>(tok0 + row) * a.lse_s0 + h] =
-          ll > 0.f ? (mm + log2f(ll)) * kLn2 : -INFINITY;
+          natural_lse(mm, ll);
   }
 #endif
 }

@@ -20,19 +20,21 @@
 #include <cmath>
 #include <cstdint>
 
+#include "cuda_common/softmax_state.cuh"
 #include "sparse_kernels.h"
 
 namespace attnrt_cuda_sparse {
 namespace {
 
 using namespace nvcuda;
+using attnrt_cuda_common::fold_sink;
+using attnrt_cuda_common::log2_lse;
+using attnrt_cuda_common::natural_lse;
 
 constexpr int kThreads = 128;
 constexpr int kChunk = 64;
 constexpr int kRows = 16;   // query heads per CTA
 constexpr int kMaxEntries = 1024;  // R*K limit (probe)
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
 
 template <typename T>
 __device__ __forceinline__ T from_f(float v);
@@ -232,27 +234,21 @@ __global__ void __launch_bounds__(kThreads) attend_kernel(AttendArgs a) {
   const int h = h0 + myrow;
   const float* orow = os + myrow * L::LDO + part * OD;
   if (a.nsplit == 1) {
-    float mm = m, ll = l, scale = 1.f;
-    if (a.sink != nullptr) {
-      const float s2 = a.sink[h] * kLog2e;
-      const float mn = fmaxf(mm, s2);
-      scale = exp2f(mm - mn);
-      ll = ll * scale + exp2f(s2 - mn);
-      mm = mn;
-    }
+    float mm = m, ll = l;
+    const float scale = a.sink != nullptr ? fold_sink(mm, ll, a.sink[h]) : 1.f;
     const float inv = ll > 0.f ? scale / ll : 0.f;
     T* out = static_cast<T*>(a.out) + row * a.o_s0 + h * a.o_s1 + part * OD;
 #pragma unroll
     for (int i = 0; i < OD; ++i) out[i] = from_f<T>(orow[i] * inv);
     if (a.lse != nullptr && part == 0)
-      a.lse[row * a.lse_s0 + h] = ll > 0.f ? (mm + log2f(ll)) * kLn2 : -INFINITY;
+      a.lse[row * a.lse_s0 + h] = natural_lse(mm, ll);
   } else {
     const int64_t slot = (static_cast<int64_t>(row) * a.nsplit + split) * a.hq + h;
     const float inv = l > 0.f ? 1.f / l : 0.f;
     float* po = a.part_o + slot * D + part * OD;
 #pragma unroll
     for (int i = 0; i < OD; ++i) po[i] = orow[i] * inv;
-    if (part == 0) a.part_lse[slot] = l > 0.f ? m + log2f(l) : -INFINITY;
+    if (part == 0) a.part_lse[slot] = log2_lse(m, l);
   }
 }
 
@@ -281,20 +277,16 @@ __global__ void __launch_bounds__(kThreads) merge_kernel(AttendArgs a) {
     }
   }
   if (a.sink != nullptr) {
-    const float s2 = a.sink[h] * kLog2e;
-    const float mn = fmaxf(m, s2);
-    const float c = exp2f(m - mn);
-    l = l * c + exp2f(s2 - mn);
+    const float c = fold_sink(m, l, a.sink[h]);
 #pragma unroll
     for (int i = 0; i < NV; ++i) acc[i] *= c;
-    m = mn;
   }
   const float inv = l > 0.f ? 1.f / l : 0.f;
   T* out = static_cast<T*>(a.out) + row * a.o_s0 + h * a.o_s1;
 #pragma unroll
   for (int i = 0; i < NV; ++i) out[lane + 32 * i] = from_f<T>(acc[i] * inv);
   if (a.lse != nullptr && lane == 0)
-    a.lse[row * a.lse_s0 + h] = l > 0.f ? (m + log2f(l)) * kLn2 : -INFINITY;
+    a.lse[row * a.lse_s0 + h] = natural_lse(m, l);
 }
 
 template <typename T, int D>

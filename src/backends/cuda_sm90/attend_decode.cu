@@ -20,6 +20,7 @@
 #include "attend_decode.h"
 #include "cuda_common/mma_sm80.cuh"
 #include "cuda_common/warp_tile.cuh"
+#include "cuda_common/softmax_state.cuh"
 #include "index_decode.h"
 
 namespace attnrt_cuda_sm90 {
@@ -30,8 +31,6 @@ using namespace attnrt_cuda_common;
 constexpr int kThreads = 128;
 constexpr int kKeys = kBlock;       // keys of a block, 32 per warp
 constexpr int kDT = kHeadDim / 8;   // O n-tiles
-constexpr float kLn2 = 0.6931471805599453f;
-constexpr float kLog2e = 1.4426950408889634f;
 constexpr size_t kSmemElems = static_cast<size_t>(kHeads + 2 * kKeys) * kHeadDim;
 
 template <typename T>
@@ -131,7 +130,7 @@ __global__ void __launch_bounds__(kThreads, 3) attend_decode_kernel(AttendDecode
         }
       }
       a.part_o[(slot_row + row) * kHeadDim + d] = L > 0.f ? acc / L : 0.f;
-      if (d == 0) a.part_lse[slot_row + row] = L > 0.f ? M + log2f(L) : -INFINITY;
+      if (d == 0) a.part_lse[slot_row + row] = log2_lse(M, L);
     }
   } else {
     for (int idx = tid; idx < kHeads * kHeadDim; idx += kThreads) {
@@ -161,16 +160,12 @@ __global__ void __launch_bounds__(kThreads, 3) attend_decode_kernel(AttendDecode
       L += w;
     }
     if (a.sink != nullptr) {
-      const float s2 = a.sink[h] * kLog2e;
-      const float mn = fmaxf(M, s2);
-      const float cf = M == -INFINITY ? 0.f : exp2f(M - mn);
+      const float cf = fold_sink(M, L, a.sink[h]);
       for (int k = 0; k < kTopK; ++k) s_w[k][h] *= cf;
-      L = L * cf + exp2f(s2 - mn);
-      M = mn;
     }
     s_inv[h] = L > 0.f ? 1.f / L : 0.f;
     if (a.lse != nullptr)
-      a.lse[static_cast<int64_t>(b) * a.lse_s0 + h] = L > 0.f ? (M + log2f(L)) * kLn2 : -INFINITY;
+      a.lse[static_cast<int64_t>(b) * a.lse_s0 + h] = natural_lse(M, L);
   }
   __syncthreads();
   T* out = static_cast<T*>(a.out) + static_cast<int64_t>(b) * a.o_s0;

@@ -25,6 +25,7 @@
 #include "attend_extend.h"
 #include "cuda_common/mma_sm80.cuh"
 #include "cuda_common/warp_tile.cuh"
+#include "cuda_common/softmax_state.cuh"
 #include "index_decode.h"
 
 namespace attnrt_cuda_sm90 {
@@ -38,8 +39,6 @@ constexpr int kDT = kHeadDim / 8;   // O n-tiles
 constexpr int kKT = kBlock / 8;     // S n-tiles
 constexpr int kTileElems = kBlock * kHeadDim;
 constexpr int kQElems = kHeads * kHeadDim;
-constexpr float kLn2 = 0.6931471805599453f;
-constexpr float kLog2e = 1.4426950408889634f;
 constexpr size_t kSmemElems = 2 * static_cast<size_t>(kTileElems) + 2 * kWarps * kQElems;
 constexpr int kSlots = kTopK;
 
@@ -185,13 +184,9 @@ __global__ void __launch_bounds__(kThreads) merge_kernel(AttendExtendArgs a, int
     }
   }
   if (a.sink != nullptr) {
-    const float s2 = a.sink[h] * kLog2e;
-    const float mn = fmaxf(M, s2);
-    const float cf = M == -INFINITY ? 0.f : exp2f(M - mn);
+    const float cf = fold_sink(M, L, a.sink[h]);
 #pragma unroll
     for (int x = 0; x < 16; ++x) acc[x] *= cf;
-    L = L * cf + exp2f(s2 - mn);
-    M = mn;
   }
   const float inv = L > 0.f ? 1.f / L : 0.f;
   uint4* out = reinterpret_cast<uint4*>(static_cast<T*>(a.out) + row * a.o_s0 + h * a.o_s1 + d0);
@@ -205,7 +200,7 @@ __global__ void __launch_bounds__(kThreads) merge_kernel(AttendExtendArgs a, int
     out[v] = u;
   }
   if (a.lse != nullptr && d0 == 0)
-    a.lse[row * a.lse_s0 + h] = L > 0.f ? (M + log2f(L)) * kLn2 : -INFINITY;
+    a.lse[row * a.lse_s0 + h] = natural_lse(M, L);
 }
 
 template <typename T>
