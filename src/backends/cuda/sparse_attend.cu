@@ -20,6 +20,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "cuda_common/kernel_attr.h"
 #include "cuda_common/softmax_state.cuh"
 #include "sparse_kernels.h"
 
@@ -292,17 +293,10 @@ __global__ void __launch_bounds__(kThreads) merge_kernel(AttendArgs a) {
 template <typename T, int D>
 cudaError_t launch_t(const AttendArgs& a, cudaStream_t st) {
   const size_t smem = Smem<D>::bytes(a.R * a.K);
-  static bool attr_done[64] = {};  // per instantiation and device
-  int dev = 0;
-  if (cudaError_t e = cudaGetDevice(&dev); e != cudaSuccess) return e;
-  if (dev >= 64 || !attr_done[dev]) {
-    if (cudaError_t e = cudaFuncSetAttribute(attend_kernel<T, D>,
-                                             cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                             static_cast<int>(Smem<D>::bytes(kMaxEntries)));
-        e != cudaSuccess)
-      return e;
-    if (dev < 64) attr_done[dev] = true;
-  }
+  if (cudaError_t e = attnrt_cuda_common::raise_smem_limit<attend_kernel<T, D>>(
+          static_cast<int>(Smem<D>::bytes(kMaxEntries)));
+      e != cudaSuccess)
+    return e;
   const int64_t ctas = static_cast<int64_t>(a.rows) * a.hkv * a.htiles * a.nsplit;
   if (ctas == 0) return cudaSuccess;
   attend_kernel<T, D><<<static_cast<unsigned>(ctas), kThreads, smem, st>>>(a);

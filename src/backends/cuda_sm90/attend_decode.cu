@@ -21,6 +21,7 @@
 #include "cuda_common/mma_sm80.cuh"
 #include "cuda_common/warp_tile.cuh"
 #include "cuda_common/softmax_state.cuh"
+#include "cuda_common/kernel_attr.h"
 #include "index_decode.h"
 
 namespace attnrt_cuda_sm90 {
@@ -193,10 +194,7 @@ __global__ void __launch_bounds__(kThreads, 3) attend_decode_kernel(AttendDecode
 template <typename T>
 cudaError_t launch_t(const AttendDecodeArgs& a, cudaStream_t st) {
   const int smem = static_cast<int>(kSmemElems * sizeof(T));
-  if (cudaError_t e = cudaFuncSetAttribute(attend_decode_kernel<T>,
-                                           cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-      e != cudaSuccess)
-    return e;
+  if (cudaError_t e = raise_smem_limit<attend_decode_kernel<T>>(smem); e != cudaSuccess) return e;
   const int64_t grid = static_cast<int64_t>(a.n) * kTopK;
   if (grid > 0) attend_decode_kernel<T><<<static_cast<unsigned>(grid), kThreads, smem, st>>>(a);
   return cudaGetLastError();

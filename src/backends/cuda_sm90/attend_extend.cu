@@ -26,6 +26,7 @@
 #include "cuda_common/mma_sm80.cuh"
 #include "cuda_common/warp_tile.cuh"
 #include "cuda_common/softmax_state.cuh"
+#include "cuda_common/kernel_attr.h"
 #include "index_decode.h"
 
 namespace attnrt_cuda_sm90 {
@@ -206,10 +207,7 @@ __global__ void __launch_bounds__(kThreads) merge_kernel(AttendExtendArgs a, int
 template <typename T>
 cudaError_t launch_t(const AttendExtendArgs& a, cudaStream_t st) {
   const int smem = static_cast<int>(kSmemElems * sizeof(T));
-  if (cudaError_t e = cudaFuncSetAttribute(attend_blocks_kernel<T>,
-                                           cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-      e != cudaSuccess)
-    return e;
+  if (cudaError_t e = raise_smem_limit<attend_blocks_kernel<T>>(smem); e != cudaSuccess) return e;
   for (int64_t r0 = 0; r0 < a.rows; r0 += kExtendChunkRows) {
     const int nrows = static_cast<int>(std::min<int64_t>(kExtendChunkRows, a.rows - r0));
     if (cudaError_t e = cudaMemsetAsync(a.counts, 0, sizeof(int32_t) * (a.total_blocks + 1), st);

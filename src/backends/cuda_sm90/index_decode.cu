@@ -19,6 +19,7 @@
 
 #include "cuda_common/block_topk.cuh"
 #include "cuda_common/mma_sm80.cuh"
+#include "cuda_common/kernel_attr.h"
 #include "index_decode.h"
 
 namespace attnrt_cuda_sm90 {
@@ -29,6 +30,7 @@ constexpr int kStages = 2;
 constexpr int kPageBytes = kBlock * kDim * 2;
 static_assert(kStages * kPageBytes >= kMaxBlocks * 4, "the last CTA's scores reuse the stages");
 using TopK = attnrt_cuda_common::BlockTopK<kThreads>;
+using attnrt_cuda_common::raise_smem_limit;
 using attnrt_cuda_common::smem_u32;
 
 __device__ __forceinline__ void bar_init(uint64_t* bar, uint32_t count) {
@@ -193,10 +195,7 @@ __global__ void __launch_bounds__(kThreads) index_decode_kernel(IndexDecodeArgs 
 template <typename T>
 cudaError_t launch_t(const IndexDecodeArgs& a, cudaStream_t st) {
   const int smem = kStages * kPageBytes;
-  if (cudaError_t e = cudaFuncSetAttribute(index_decode_kernel<T>,
-                                           cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-      e != cudaSuccess)
-    return e;
+  if (cudaError_t e = raise_smem_limit<index_decode_kernel<T>>(smem); e != cudaSuccess) return e;
   const int64_t grid = static_cast<int64_t>(a.n) * a.ctas_per_request;
   if (grid > 0) index_decode_kernel<T><<<static_cast<unsigned>(grid), kThreads, smem, st>>>(a);
   return cudaGetLastError();

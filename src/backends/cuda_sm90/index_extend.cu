@@ -19,6 +19,7 @@
 
 #include "cuda_common/block_topk.cuh"
 #include "cuda_common/mma_sm80.cuh"
+#include "cuda_common/kernel_attr.h"
 #include "index_decode.h"
 #include "index_extend.h"
 
@@ -169,10 +170,7 @@ __global__ void __launch_bounds__(kTopkThreads) index_topk_kernel(IndexExtendArg
 template <typename T>
 cudaError_t launch_t(const IndexExtendArgs& a, cudaStream_t st) {
   const int smem = kStages * kTileElems * static_cast<int>(sizeof(T));
-  if (cudaError_t e = cudaFuncSetAttribute(index_scores_kernel<T>,
-                                           cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-      e != cudaSuccess)
-    return e;
+  if (cudaError_t e = raise_smem_limit<index_scores_kernel<T>>(smem); e != cudaSuccess) return e;
   if (a.num_items > 0) index_scores_kernel<T><<<a.num_items, kThreads, smem, st>>>(a);
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
   if (a.total_tokens > 0)
