@@ -23,10 +23,10 @@
 
 #include "attend_decode.h"
 #include "attend_extend.h"
-#include "cuda_common/mma_sm80.cuh"
-#include "cuda_common/warp_tile.cuh"
-#include "cuda_common/softmax_state.cuh"
 #include "cuda_common/kernel_attr.h"
+#include "cuda_common/mma_sm80.cuh"
+#include "cuda_common/softmax_state.cuh"
+#include "cuda_common/warp_tile.cuh"
 #include "index_decode.h"
 
 namespace attnrt_cuda_sm90 {

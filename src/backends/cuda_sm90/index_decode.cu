@@ -18,8 +18,8 @@
 #include <attnrt/plugin.h>
 
 #include "cuda_common/block_topk.cuh"
-#include "cuda_common/mma_sm80.cuh"
 #include "cuda_common/kernel_attr.h"
+#include "cuda_common/mma_sm80.cuh"
 #include "index_decode.h"
 
 namespace attnrt_cuda_sm90 {
