@@ -26,6 +26,17 @@ struct Args : attnrt_cuda_common::AttendTensors {
   float* part_lse;
 };
 
+// Page-table index and row within the page of key j (shift when the page size is a power of 2).
+__device__ __forceinline__ void key_page(const Args& a, int j, int& pg, int& row) {
+  if (a.page_shift >= 0) {
+    pg = j >> a.page_shift;
+    row = j & (a.page_size - 1);
+  } else {
+    pg = j / a.page_size;
+    row = j - pg * a.page_size;
+  }
+}
+
 // Hopper (sm_90a) dense_extend for head_dim 128: warpgroup MMA (wgmma) from shared memory, 128
 // query rows x 128 keys per step. Launches on `st`; the tiles of the plan are 128 query rows.
 // Grid: num_tiles x a.hq blocks, head index fastest.

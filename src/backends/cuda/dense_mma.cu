@@ -144,13 +144,7 @@ __global__ void __launch_bounds__(kThreads, DECODE ? (D == 256 ? 1 : 3) : 2) att
       const T* vs = vc;
       if (valid) {
         int pg, row;
-        if (a.page_shift >= 0) {
-          pg = j >> a.page_shift;
-          row = j & (a.page_size - 1);
-        } else {
-          pg = j / a.page_size;
-          row = j - pg * a.page_size;
-        }
+        key_page(a, j, pg, row);
         const int64_t page = pages[pg];
         ks = kc + page * a.k_s0 + row * a.k_s1 + kvh * a.k_s2 + lc * 8;
         vs = vc + page * a.v_s0 + row * a.v_s1 + kvh * a.v_s2 + lc * 8;
