@@ -116,6 +116,17 @@ TEST(CudaSm90, AttendDecodeMatchesReference) {
   }
 }
 
+// The indexer (decode or extend form) on B through a scrambled page table (seed page_seed):
+// top-k checked against the reference; prints the near-tie rows as "<label> case <it>".
+void expect_index_matches(const Batch& B, const SparseParams& S, uint32_t page_seed, bool decode,
+                          const char* label, int it) {
+  const Paging P = make_paging(B, 128, page_seed);
+  int ties = 0;
+  check_topk(B, S, run_index(B, S, P, decode), ref_scores(B, S), &ties);
+  std::printf("%s case %d: %d near-tie rows of %lld\n", label, it, ties,
+              static_cast<long long>(B.T));
+}
+
 TEST(CudaSm90, IndexDecodeMatchesReference) {
   REQUIRE_HOPPER();
   struct C {
@@ -132,14 +143,8 @@ TEST(CudaSm90, IndexDecodeMatchesReference) {
   int it = 0;
   for (const C& c : cases) {
     SCOPED_TRACE(it);
-    const Batch B = decode_batch(c.dtype, c.kv, 300 + it);
-    const SparseParams S = m3_params(c.init, c.local);
-    const Paging P = make_paging(B, 128, 11 + it);
-    const std::vector<int32_t> topk = run_index(B, S, P, true);
-    int ties = 0;
-    check_topk(B, S, topk, ref_scores(B, S), &ties);
-    std::printf("sm90 indexer case %d: %d near-tie rows of %lld\n", it, ties,
-                static_cast<long long>(B.T));
+    expect_index_matches(decode_batch(c.dtype, c.kv, 300 + it), m3_params(c.init, c.local),
+                         11 + it, true, "sm90 indexer", it);
     ++it;
   }
 }
@@ -161,14 +166,9 @@ TEST(CudaSm90, IndexExtendMatchesReference) {
   int it = 0;
   for (const C& c : cases) {
     SCOPED_TRACE(it);
-    const Batch B = make_batch(c.dtype, 16, 1, 1, 128, 128, c.ql, c.kv, 700 + it, false, true);
-    const SparseParams S = m3_params(c.init, c.local);
-    const Paging P = make_paging(B, 128, 13 + it);
-    const std::vector<int32_t> topk = run_index(B, S, P, false);
-    int ties = 0;
-    check_topk(B, S, topk, ref_scores(B, S), &ties);
-    std::printf("sm90 index extend case %d: %d near-tie rows of %lld\n", it, ties,
-                static_cast<long long>(B.T));
+    expect_index_matches(
+        make_batch(c.dtype, 16, 1, 1, 128, 128, c.ql, c.kv, 700 + it, false, true),
+        m3_params(c.init, c.local), 13 + it, false, "sm90 index extend", it);
     ++it;
   }
 }
