@@ -549,12 +549,14 @@ int32_t plan_impl(const attnrt_problem* p, const attnrt_layout* L, int sms, bool
   const int n = L->num_requests;
   pl->n = n;
   DK_CK(cudaSetDevice(p->device.index));
-  DK_CK(p->q_dtype == ATTNRT_BF16 ? prepare_t<__nv_bfloat16>(p->head_dim,
-                                                             p->op == ATTNRT_OP_DENSE_DECODE)
-                                  : prepare_t<__half>(p->head_dim, p->op == ATTNRT_OP_DENSE_DECODE));
+  // Only the kernel that will run gets its shared-memory limit raised.
   if (pl->wgmma)
     DK_CK(p->q_dtype == ATTNRT_BF16 ? prepare_extend_wgmma<__nv_bfloat16>()
                                     : prepare_extend_wgmma<__half>());
+  else
+    DK_CK(p->q_dtype == ATTNRT_BF16
+              ? prepare_t<__nv_bfloat16>(p->head_dim, p->op == ATTNRT_OP_DENSE_DECODE)
+              : prepare_t<__half>(p->head_dim, p->op == ATTNRT_OP_DENSE_DECODE));
   std::vector<int32_t> qstart(n + 1);
   for (int b = 0; b <= n; ++b) qstart[b] = static_cast<int32_t>(L->q_indptr[b]);
   const int total_pages = L->page_indptr[n];
