@@ -19,6 +19,7 @@
 
 #include "cuda_common/block_topk.cuh"
 #include "cuda_common/kernel_attr.h"
+#include "cuda_common/mbarrier.cuh"
 #include "cuda_common/mma_sm80.cuh"
 #include "index_decode.h"
 
@@ -32,37 +33,11 @@ static_assert(kStages * kPageBytes >= kMaxBlocks * 4, "the last CTA's scores reu
 using TopK = attnrt_cuda_common::BlockTopK<kThreads>;
 using attnrt_cuda_common::raise_smem_limit;
 using attnrt_cuda_common::smem_u32;
-
-__device__ __forceinline__ void bar_init(uint64_t* bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count) : "memory");
-}
-__device__ __forceinline__ void bar_init_fence() {
-  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-}
-__device__ __forceinline__ void bar_expect_tx(uint64_t* bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)),
-               "r"(bytes)
-               : "memory");
-}
-__device__ __forceinline__ void bar_wait(uint64_t* bar, uint32_t parity) {
-  asm volatile(
-      "{\n"
-      ".reg .pred done;\n"
-      "WAIT:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra WAIT;\n"
-      "}\n" ::"r"(smem_u32(bar)),
-      "r"(parity)
-      : "memory");
-}
-// Global -> shared bulk copy (the Hopper copy engine); `bytes` a multiple of 16, both 16-aligned.
-__device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-          smem_u32(dst)),
-      "l"(src), "r"(bytes), "r"(smem_u32(bar))
-      : "memory");
-}
+using attnrt_cuda_common::bar_expect_tx;
+using attnrt_cuda_common::bar_init;
+using attnrt_cuda_common::bar_init_fence;
+using attnrt_cuda_common::bar_wait;
+using attnrt_cuda_common::bulk_load;
 
 __device__ __forceinline__ float2 to_float2(uint32_t x, __nv_bfloat16) {
   return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&x));
