@@ -202,7 +202,7 @@ __global__ void __launch_bounds__(kThreads, 1) extend_wgmma_kernel(const Args a)
   };
 
   // Copy groups: group j = {V of tile j - 1, K of tile j} (group 0 adds Q). Groups 0 .. S - 2
-  // start here; step i starts group i + S - 1 and then waits for group i.
+  // start here; step i waits for group i, then starts group i + S - 1.
 #pragma unroll
   for (int j = 0; j < S - 1; ++j) {
     load_v(j - 1);
@@ -221,26 +221,28 @@ __global__ void __launch_bounds__(kThreads, 1) extend_wgmma_kernel(const Args a)
   uint32_t p[32];  // P as A fragments: 16 keys per 4 registers
   const uint32_t q_wg = sQ + wg * (kQBytes / 2);
 
+  // Start of step it: K of tile it and V of tile it - 1 (the group issued one step earlier) have
+  // landed; after the barrier every thread has finished step it - 1, whose wgmmas were the last
+  // readers of the stages the next group overwrites, so one CTA barrier per step suffices.
   auto wait_tile = [&](int it) {
+    cp_wait<S - 2>();
+    fence_async_smem();
+    __syncthreads();
     load_v(it + S - 2);
     load_k(it + S - 1);
     cp_commit();
-    cp_wait<S - 1>();
-    fence_async_smem();
-    __syncthreads();
   };
-  // S = Q K^T of tile it (head dim in 8 steps of 16: 4 per 64-column panel, 32 bytes apart).
+  // S = Q K^T of tile it (head dim in 8 steps of 16: 4 per 64-column panel, 32 bytes apart); the
+  // first step overwrites S, so it needs no zeroing.
   auto issue_s = [&](int it, float(&s)[64]) {
     const uint32_t k_st = sK + (it % S) * kTileBytes;
-#pragma unroll
-    for (int i = 0; i < 64; ++i) s[i] = 0.f;
     pin(s);
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < 8; ++kk) {
       const uint32_t koff = (kk & 3) * 32u;
       Wgmma<T>::ss(s, sw128_desc(q_wg + (kk >> 2) * (kQBytes / 4) + koff, 16, 1024),
-                   sw128_desc(k_st + (kk >> 2) * kPanel + koff, 16, 1024), 1);
+                   sw128_desc(k_st + (kk >> 2) * kPanel + koff, 16, 1024), kk > 0);
     }
     wgmma_commit();
   };
@@ -320,7 +322,6 @@ __global__ void __launch_bounds__(kThreads, 1) extend_wgmma_kernel(const Args a)
       pin(s);
       softmax(0, s, corr);
       rescale_and_pack(s, corr);
-      __syncthreads();
     }
     for (int it = 1; it < n_tiles; ++it) {
       wait_tile(it);
@@ -333,7 +334,6 @@ __global__ void __launch_bounds__(kThreads, 1) extend_wgmma_kernel(const Args a)
       wgmma_wait<0>();  // P V done before O is rescaled and P overwritten
       pin(o);
       rescale_and_pack(s, corr);
-      __syncthreads();
     }
     wait_tile(n_tiles);
     issue_pv(n_tiles - 1);
