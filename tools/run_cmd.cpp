@@ -164,10 +164,15 @@ void run_resolved(const RunOptions& o, const attnrt::ModelConfig& m) {
   attnrt::Runtime rt;
   const std::vector<attnrt::Device> devices = rt.devices();
   if (std::find(devices.begin(), devices.end(), dev) == devices.end()) {
-    // A requested accelerator that no backend can serve: run on the host, say so once.
-    std::string why = "no backend serves it";
+    // A requested accelerator that no backend can serve: run on the host, say so once, with
+    // every plugin that did not load and why (or the devices there are, if all loaded).
+    std::string why;
     for (const auto& r : rt.report().plugins)
-      if (!r.loaded) why = r.name + ": " + r.reason;
+      if (!r.loaded) why += (why.empty() ? "" : "; ") + r.name + ": " + r.reason;
+    if (why.empty()) {
+      why = "devices here:";
+      for (const auto& d : devices) why += " " + d.str();
+    }
     std::fprintf(stderr, "attnrt: %s is not available (%s); running on cpu instead\n", dev.str().c_str(),
                  why.c_str());
     dev = host;
