@@ -662,11 +662,10 @@ void prefetch_tile(KeyCursor cur, const TensorView& kc, const TensorView* vc, co
   }
 }
 
-// Block scores of ONE query row straight from the paged cache (the decode indexer with one index
-// head): no f32 tile, no broadcast of each score over a row vector. Keys 0 .. nkeys-1 of the
-// request, rows of bf16 or f32 converted in registers; q: [D] f32, pre-scaled, D a multiple of 16.
-// bm[c * bstride] = max over block c; with lse, bsum[c * bstride] = sum of exp(s - max).
-// Four keys per step (independent accumulators); every dot product is reduced by the same
+// Keys the decode indexer prefetches ahead: 4-8 KB, about a DRAM latency at one thread's
+// bandwidth.
+constexpr int64_t kPrefetchKeys = 16;
+
 // Block scores of ONE query row straight from the paged cache (the decode indexer with one index
 // head): no f32 tile, no broadcast of each score over a row vector. Keys 0 .. nkeys-1 of the
 // request, rows of bf16 or f32 converted in registers; q: [D] f32, pre-scaled, D a multiple of W.
@@ -679,8 +678,9 @@ ATTNRT_AI void index_row_scores_impl(const float* q, int D, const TensorView& kc
                                      bool lse, float* bm, float* bsum, int bstride) {
   const bool bf16 = kc.dtype == DType::bf16;
   const int64_t es = static_cast<int64_t>(dtype_size(kc.dtype));
+  const char* base = static_cast<const char*>(kc.data);
   auto row = [&](int64_t j) {
-    return elem_ptr(kc, pages[j / page_size] * kc.strides[0] + (j % page_size) * kc.strides[1]);
+    return base + (pages[j / page_size] * kc.strides[0] + (j % page_size) * kc.strides[1]) * es;
   };
   auto loadrow = [&](const char* r, int x) {
     if (!bf16) return loadv<W>(reinterpret_cast<const float*>(r) + x);
@@ -699,8 +699,10 @@ ATTNRT_AI void index_row_scores_impl(const float* q, int D, const TensorView& kc
       const int n = static_cast<int>(std::min<int64_t>(4, c1 - j));
       const char* r[4];
       for (int i = 0; i < 4; ++i) r[i] = row(j + std::min(i, n - 1));
-      if (j + 4 < c1 && (j + 4) % page_size < 4)  // the next page's first rows
-        for (int64_t x = 0; x < D * es; x += 64) __builtin_prefetch(row(j + 4) + x);
+      // The rows kPrefetchKeys ahead, every step: the hardware prefetcher alone restarts at
+      // every page and leaves one thread latency-bound (~50% of the streaming bandwidth).
+      for (int64_t jj = j + kPrefetchKeys; jj < std::min(j + kPrefetchKeys + 4, nkeys); ++jj)
+        for (int64_t x = 0; x < D * es; x += 64) __builtin_prefetch(row(jj) + x);
       vf<W> a[4] = {};
       for (int x = 0; x < D; x += W) {
         const vf<W> qv = loadv<W>(q + x);
