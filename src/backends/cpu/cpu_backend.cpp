@@ -70,20 +70,28 @@ template <int W>
 struct Vec {
   typedef float f __attribute__((vector_size(4 * W)));
   typedef int32_t i __attribute__((vector_size(4 * W)));
-  typedef uint16_t u16 __attribute__((vector_size(2 * W)));
 };
 template <int W>
 using vf = typename Vec<W>::f;
 template <int W>
 using vi = typename Vec<W>::i;
-template <int W>
-using vu16 = typename Vec<W>::u16;
 
 template <int W>
 ATTNRT_AI vf<W> loadv(const float* p) {
   vf<W> v;
   std::memcpy(&v, p, sizeof v);
   return v;
+}
+// W bf16 values as f32 (the 16 bits become the high half). Written lane by lane: GCC makes it
+// one vpmovzxwd from memory and a shift, where __builtin_convertvector of a u16 vector gives two
+// half-width conversions and an insert.
+template <int W>
+ATTNRT_AI vf<W> load_bf16(const uint16_t* p) {
+  vi<W> w;
+  for (int i = 0; i < W; ++i) w[i] = static_cast<int32_t>(p[i]) << 16;
+  vf<W> f;
+  std::memcpy(&f, &w, sizeof f);
+  return f;
 }
 template <class V>
 ATTNRT_AI void storev(float* p, V v) {
@@ -258,9 +266,7 @@ ATTNRT_AI void convert_rows_impl(const void* src, DType t, int64_t stride, int r
       float* o = dst + static_cast<int64_t>(r) * dst_stride;
       int x = 0;
       for (; x + W <= D; x += W) {
-        vu16<W> h;
-        std::memcpy(&h, s + x, sizeof h);
-        storev(o + x, __builtin_convertvector(h, vi<W>) << 16);
+        storev(o + x, load_bf16<W>(s + x));
       }
       for (; x < D; ++x) {
         const uint32_t u = static_cast<uint32_t>(s[x]) << 16;
@@ -684,12 +690,7 @@ ATTNRT_AI void index_row_scores_impl(const float* q, int D, const TensorView& kc
   };
   auto loadrow = [&](const char* r, int x) {
     if (!bf16) return loadv<W>(reinterpret_cast<const float*>(r) + x);
-    vu16<W> h;
-    std::memcpy(&h, r + 2 * x, sizeof h);
-    const vi<W> w = __builtin_convertvector(h, vi<W>) << 16;
-    vf<W> f;
-    std::memcpy(&f, &w, sizeof f);
-    return f;
+    return load_bf16<W>(reinterpret_cast<const uint16_t*>(r) + x);
   };
   float sc[4];
   for (int64_t c0 = 0; c0 < nkeys; c0 += B) {
