@@ -82,15 +82,24 @@ ATTNRT_AI vf<W> loadv(const float* p) {
   std::memcpy(&v, p, sizeof v);
   return v;
 }
-// W bf16 values as f32 (the 16 bits become the high half). Written lane by lane: GCC makes it
-// one vpmovzxwd from memory and a shift, where __builtin_convertvector of a u16 vector gives two
-// half-width conversions and an insert.
+// W bf16 values as f32 (the 16 bits become the high half). With AVX2 / AVX-512, written lane by
+// lane: GCC makes it one vpmovzxwd from memory and a shift, where __builtin_convertvector of a
+// u16 vector gives two half-width conversions and an insert. SSE2 has no widening load, and the
+// lane form goes through the stack there: the halves are interleaved with zeros (one punpcklwd).
 template <int W>
 ATTNRT_AI vf<W> load_bf16(const uint16_t* p) {
-  vi<W> w;
-  for (int i = 0; i < W; ++i) w[i] = static_cast<int32_t>(p[i]) << 16;
   vf<W> f;
-  std::memcpy(&f, &w, sizeof f);
+  if constexpr (W == 4) {
+    typedef uint16_t u16x4 __attribute__((vector_size(8)));
+    u16x4 h;
+    std::memcpy(&h, p, sizeof h);
+    const auto w = __builtin_shufflevector(u16x4{}, h, 0, 4, 1, 5, 2, 6, 3, 7);
+    std::memcpy(&f, &w, sizeof f);
+  } else {
+    vi<W> w;
+    for (int i = 0; i < W; ++i) w[i] = static_cast<int32_t>(p[i]) << 16;
+    std::memcpy(&f, &w, sizeof f);
+  }
   return f;
 }
 template <class V>
