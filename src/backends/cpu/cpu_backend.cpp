@@ -347,9 +347,23 @@ ATTNRT_AI void qk_pass(const float* qT, int Mp, const float* k, int D, int npad,
   if constexpr (KB > 1) qk_blocks<W, MR, 1>(qT, Mp, k, D, n0, npad, sT);
 }
 
+// Whether one pass holds every row vector an item can have (AVX-512: 4 x 16 = kMaxRows). Then the
+// products run one pass with the row stride a constant (W * MV): GCC keeps fewer integers live and
+// does not park them in vector registers, which pushed row operands of the 16-accumulator loops
+// to the stack.
+template <int W>
+constexpr bool kOnePass = W * kPassRows<W> >= kMaxRows;
+
 // sT[n][m] = sum_d k[n][d] * qT[d][m] for n < npad, the MV row vectors in passes.
 template <int W>
 ATTNRT_AI void qk_tile(int MV, const float* qT, const float* k, int D, int npad, float* sT) {
+  if constexpr (kOnePass<W>) {
+    if (MV == 1) qk_pass<W, 1>(qT, W, k, D, npad, sT);
+    if (MV == 2) qk_pass<W, 2>(qT, 2 * W, k, D, npad, sT);
+    if (MV == 3) qk_pass<W, 3>(qT, 3 * W, k, D, npad, sT);
+    if (MV == 4) qk_pass<W, 4>(qT, 4 * W, k, D, npad, sT);
+    return;
+  }
   const int Mp = W * MV;
   for (int u0 = 0; u0 < MV;) {
     const int mr = std::min(kPassRows<W>, MV - u0);
@@ -407,6 +421,13 @@ ATTNRT_AI void pv_pass(float* oT, int Mp, const float* v, int D, int npad, const
 template <int W>
 ATTNRT_AI void pv_tile(int MV, float* oT, const float* v, int D, int npad, const float* pT,
                        const float* corr) {
+  if constexpr (kOnePass<W>) {
+    if (MV == 1) pv_pass<W, 1>(oT, W, v, D, npad, pT, corr);
+    if (MV == 2) pv_pass<W, 2>(oT, 2 * W, v, D, npad, pT, corr);
+    if (MV == 3) pv_pass<W, 3>(oT, 3 * W, v, D, npad, pT, corr);
+    if (MV == 4) pv_pass<W, 4>(oT, 4 * W, v, D, npad, pT, corr);
+    return;
+  }
   const int Mp = W * MV;
   for (int u0 = 0; u0 < MV;) {
     const int mr = std::min(kPassRows<W>, MV - u0);
