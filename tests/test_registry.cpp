@@ -9,6 +9,7 @@
 #include <thread>
 
 #include "backends/reference/reference_backend.h"
+#include "core/cpu_dispatch.h"
 #include "support.h"
 
 namespace attnrt {
@@ -423,6 +424,27 @@ TEST(Registry, UnknownNamesListTheKnownOnes) {
   o.disable = std::vector<std::string>{};
   o.force_backend = "nosuch";
   EXPECT_THROW(Runtime{o}, InvalidArgument);
+}
+
+// ATTNRT_CPU_ISA (RuntimeOptions::cpu_isa): each kernel set the CPU has serves; an unknown name
+// or one the CPU lacks is InvalidArgument when the Runtime is made, not a SIGILL at the first run.
+TEST(Registry, CpuIsaChoice) {
+  RuntimeOptions o = options_for("none");
+  o.cpu_isa = "sse9";
+  EXPECT_THROW(Runtime{o}, InvalidArgument);
+  for (CpuIsa isa : {CpuIsa::baseline, CpuIsa::avx2, CpuIsa::avx512}) {
+    SCOPED_TRACE(cpu_isa_name(isa));
+    o.cpu_isa = cpu_isa_name(isa);
+    if (!cpu_supports(isa)) {
+      EXPECT_THROW(Runtime{o}, InvalidArgument);
+      continue;
+    }
+    Runtime rt(o);
+    DenseCase c(test::fresh_seed());
+    c.run(rt);
+    EXPECT_LT(c.err(), 1e-5);
+    EXPECT_EQ(rt.plan(c.problem, c.layout)->backend(), "cpu");
+  }
 }
 
 TEST(Registry, DisableRemovesBackends) {

@@ -103,13 +103,13 @@ float fma_scalar(long iters, float seed) {
 
 // Returns FLOP/s over `threads` threads and the name of the variant used.
 double measure_fma_peak(int threads, std::string* isa) {
-  __builtin_cpu_init();
   int lanes = 1, chains = kChainsScalar;
   float (*kernel)(long, float) = fma_scalar;
   *isa = "scalar";
-  if (__builtin_cpu_supports("avx512f")) {
+  // The levels the cpu backend's kernel sets use, so the ceiling is that of the code it bounds.
+  if (best_cpu_isa() == CpuIsa::avx512) {
     kernel = fma_avx512, lanes = 16, chains = kChains512, *isa = "avx512";
-  } else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+  } else if (best_cpu_isa() == CpuIsa::avx2) {
     kernel = fma_avx2, lanes = 8, chains = kChains256, *isa = "avx2";
   }
   const long iters = lanes == 1 ? 2000000 : 20000000;

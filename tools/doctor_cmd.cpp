@@ -24,7 +24,7 @@ using nlohmann::json;
 
 const char* const kEnvVars[] = {"ATTNRT_PLUGIN_PATH", "ATTNRT_DISABLE",      "ATTNRT_BACKEND",
                                 "ATTNRT_STRICT",      "ATTNRT_FORCE_REPLAN", "ATTNRT_NUM_THREADS",
-                                "ATTNRT_LOG"};
+                                "ATTNRT_CPU_ISA",     "ATTNRT_LOG"};
 
 // A representative problem of `op` for `m` on `dev`.
 attnrt::Problem make_problem(attnrt::Op op, const attnrt::ModelConfig& m, attnrt::Device dev,

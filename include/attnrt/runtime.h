@@ -38,6 +38,9 @@ struct RuntimeOptions {
   std::optional<bool> strict;                       // ATTNRT_STRICT=1
   std::optional<bool> force_replan;                 // ATTNRT_FORCE_REPLAN=1
   std::optional<int> num_threads;                   // ATTNRT_NUM_THREADS; default: all cores
+  // cpu backend kernels: "avx512", "avx2" or "baseline" (ATTNRT_CPU_ISA); default: the best
+  // this CPU supports. Naming one the CPU lacks is an InvalidArgument.
+  std::optional<std::string> cpu_isa;
   // Also search the directory that holds the attnrt library for plugins.
   bool search_library_dir = true;
   // Run every plugin's canary before its first use on a device (design.md §4).

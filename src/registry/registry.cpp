@@ -43,6 +43,17 @@ int parse_threads(const std::string& s) {
   return static_cast<int>(v);
 }
 
+CpuIsa parse_isa(const std::string& s) {
+  const std::optional<CpuIsa> isa = parse_cpu_isa(s);
+  if (!isa)
+    throw InvalidArgument("ATTNRT_CPU_ISA: '" + s +
+                          "' is not a cpu kernel set (expected avx512, avx2 or baseline)");
+  if (!cpu_supports(*isa))
+    throw InvalidArgument("ATTNRT_CPU_ISA: this CPU lacks " + s + " (the best it supports is " +
+                          cpu_isa_name(best_cpu_isa()) + ")");
+  return *isa;
+}
+
 }  // namespace
 
 Registry::Registry(const RuntimeOptions& o) {
@@ -60,7 +71,10 @@ Registry::Registry(const RuntimeOptions& o) {
   if (options_.num_threads == 0)
     options_.num_threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
 
-  backends_.push_back(make_cpu_backend(options_.num_threads));
+  const std::string isa = o.cpu_isa.value_or(env("ATTNRT_CPU_ISA"));
+  options_.cpu_isa = isa.empty() ? best_cpu_isa() : parse_isa(isa);
+
+  backends_.push_back(make_cpu_backend(options_.num_threads, options_.cpu_isa));
   backends_.push_back(make_reference_backend());
   std::set<std::string> taken;
   for (const auto& b : backends_) taken.insert(b->name());

@@ -9,6 +9,7 @@
 
 #include "attnrt/runtime.h"
 #include "core/backend.h"
+#include "core/cpu_dispatch.h"
 
 namespace attnrt {
 
@@ -18,6 +19,7 @@ struct SelectionOptions {
   bool strict = false;
   bool force_replan = false;
   int num_threads = 0;
+  CpuIsa cpu_isa = CpuIsa::baseline;
   bool canary = true;
   size_t plan_cache_capacity = 256;
 };

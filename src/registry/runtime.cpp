@@ -528,7 +528,9 @@ void Runtime::synchronize(const Device& device) {
 }
 
 std::string Runtime::describe_device(const Device& device) const {
-  if (device.is_host()) return "cpu: host";
+  if (device.is_host())
+    return std::string("cpu: host, ") + cpu_isa_name(impl_->registry.options().cpu_isa) +
+           " kernels";
   try {
     return impl_->memory_owner(device)->describe_device(device);
   } catch (const Error& e) {

@@ -7,7 +7,7 @@
 // transposed, qT[d][m], and walks its keys in tiles of kKeyTile keys: the tile's K and V rows
 // are converted to f32 once (page run by page run, no per-token gather in the inner loops),
 // then
-//   sT[n][m] = sum_d K[n][d] * qT[d][m]        (broadcast K, 16-wide vectors over rows m)
+//   sT[n][m] = sum_d K[n][d] * qT[d][m]        (broadcast K, W-wide vectors over rows m)
 //   online softmax per row, vectorised over m  (polynomial exp2, no horizontal reductions)
 //   oT[d][m] += sum_n V[n][d] * pT[n][m]        (broadcast V, vectors over m)
 // so both products are register-blocked GEMM-like loops and every K/V row is read once per item.
@@ -18,9 +18,12 @@
 // o) to the workspace and a merge pass combines them in a fixed order. An empty split has
 // max = -inf, sum = 0, o = 0 and contributes nothing (never NaN).
 //
-// Vector code: GCC vector extensions (16 x f32). The functions that run them carry
-// target_clones (x86-64-v4 and baseline): the loader picks the AVX-512 version at run time on
-// CPUs that have it, so the binary is not tied to the build machine's instruction set.
+// Vector code: GCC vector extensions of W floats, in three kernel sets: AVX-512 (W = 16, 32 zmm),
+// AVX2 + FMA (W = 8, 16 ymm) and the SSE2 baseline (W = 4, 16 xmm), each with the register
+// blocking of its register file. The backend takes the best set the CPU has when it is created
+// (or the one ATTNRT_CPU_ISA names), so the binary is not tied to the build machine's
+// instruction set and no call re-decides. Results of different sets may differ in the last bits
+// (different summation trees); each set is deterministic.
 //
 // Threads: a small std::thread pool owned by the backend; scratch is per worker, taken from the
 // Runtime's workspace for the call. Determinism: every output element is computed by exactly one
@@ -49,7 +52,7 @@ namespace {
 
 constexpr int kMaxDim = 256;
 constexpr int kKeyTile = 64;  // keys per tile (a multiple of 16)
-constexpr int kMaxRows = 64;  // query rows per work item (4 vectors of 16)
+constexpr int kMaxRows = 64;  // query rows per work item (4 vectors of 16, 8 of 8, 16 of 4)
 constexpr int kMaxG = 64;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr float kLog2e = 1.4426950408889634f;
@@ -59,48 +62,103 @@ constexpr int32_t kMaskedPos = std::numeric_limits<int32_t>::max();  // padded k
 constexpr int64_t kMinSplitKeys = 512;
 
 #define ATTNRT_AI __attribute__((always_inline)) inline
-#define ATTNRT_CLONES ATTNRT_TARGET_CLONES("arch=x86-64-v4", "default")
 
-typedef float vf __attribute__((vector_size(64)));
-typedef int32_t vi __attribute__((vector_size(64)));
-typedef uint16_t vu16 __attribute__((vector_size(32)));
-constexpr int W = 16;
+// Vectors of W floats: W = 16 (zmm) for AVX-512, 8 (ymm) for AVX2, 4 (xmm) for the SSE2 baseline.
+// Every kernel below is a template on W, always inlined into the entry points of one kernel set
+// (the end of the kernel section), which carry that set's target.
+template <int W>
+struct Vec {
+  typedef float f __attribute__((vector_size(4 * W)));
+  typedef int32_t i __attribute__((vector_size(4 * W)));
+};
+template <int W>
+using vf = typename Vec<W>::f;
+template <int W>
+using vi = typename Vec<W>::i;
 
-ATTNRT_AI vf loadv(const float* p) {
-  vf v;
+template <int W>
+ATTNRT_AI vf<W> loadv(const float* p) {
+  vf<W> v;
   std::memcpy(&v, p, sizeof v);
   return v;
 }
-ATTNRT_AI void storev(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
-ATTNRT_AI vf bcast(float x) { return vf{} + x; }
-ATTNRT_AI vi bcasti(int32_t x) { return vi{} + x; }
-ATTNRT_AI vf vmax(vf a, vf b) { return a > b ? a : b; }
+// W bf16 values as f32 (the 16 bits become the high half). With AVX2 / AVX-512, written lane by
+// lane: GCC makes it one vpmovzxwd from memory and a shift, where __builtin_convertvector of a
+// u16 vector gives two half-width conversions and an insert. SSE2 has no widening load, and the
+// lane form goes through the stack there: the halves are interleaved with zeros (one punpcklwd).
+template <int W>
+ATTNRT_AI vf<W> load_bf16(const uint16_t* p) {
+  vf<W> f;
+  if constexpr (W == 4) {
+    typedef uint16_t u16x4 __attribute__((vector_size(8)));
+    u16x4 h;
+    std::memcpy(&h, p, sizeof h);
+    const auto w = __builtin_shufflevector(u16x4{}, h, 0, 4, 1, 5, 2, 6, 3, 7);
+    std::memcpy(&f, &w, sizeof f);
+  } else {
+    vi<W> w;
+    for (int i = 0; i < W; ++i) w[i] = static_cast<int32_t>(p[i]) << 16;
+    std::memcpy(&f, &w, sizeof f);
+  }
+  return f;
+}
+template <class V>
+ATTNRT_AI void storev(float* p, V v) {
+  std::memcpy(p, &v, sizeof v);
+}
+template <int W>
+ATTNRT_AI vf<W> bcast(float x) {
+  return vf<W>{} + x;
+}
+template <int W>
+ATTNRT_AI vi<W> bcasti(int32_t x) {
+  return vi<W>{} + x;
+}
+template <class V>
+ATTNRT_AI V vmax(V a, V b) {
+  return a > b ? a : b;
+}
 
 // 2^x for x <= 126, elementwise; exactly 0 for x < -126 (and for -inf). Round-to-nearest split
 // x = n + f, |f| <= 1/2, degree-6 Taylor polynomial of 2^f (error ~1 ulp), exponent by integer
 // add. A fixed sequence of operations: deterministic.
-ATTNRT_AI vf exp2v(vf x) {
-  const vi tiny = x < bcast(-126.0f);
-  x = tiny ? bcast(-126.0f) : x;
-  x = x > bcast(126.0f) ? bcast(126.0f) : x;
-  const vf magic = bcast(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
-  const vf t = x + magic;
-  const vf n = t - magic;
-  const vf f = x - n;
-  vf p = bcast(1.540353039338e-4f);
+template <class V>
+ATTNRT_AI V exp2v(V x) {
+  using VI = decltype(x < x);  // the int32 vector of the same width
+  const VI tiny = x < -126.0f;
+  x = tiny ? V{} - 126.0f : x;
+  x = x > 126.0f ? V{} + 126.0f : x;
+  const float magic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  const V t = x + magic;
+  const V n = t - magic;
+  const V f = x - n;
+  V p = V{} + 1.540353039338e-4f;
   p = p * f + 1.333355814643e-3f;
   p = p * f + 9.618129107629e-3f;
   p = p * f + 5.550410866482e-2f;
   p = p * f + 2.402265069591e-1f;
   p = p * f + 6.931471805599e-1f;
   p = p * f + 1.0f;
-  vi ti;
+  VI ti;
   std::memcpy(&ti, &t, sizeof ti);
-  const vi e = (ti - 0x4B400000 + 127) << 23;
-  vf scale;
+  const VI e = (ti - 0x4B400000 + 127) << 23;
+  V scale;
   std::memcpy(&scale, &e, sizeof scale);
-  const vf r = p * scale;
-  return tiny ? vf{} : r;
+  const V r = p * scale;
+  return tiny ? V{} : r;
+}
+
+// Sum of the W lanes, as a fixed tree (deterministic): halves added until 4 lanes are left.
+template <int W>
+ATTNRT_AI float hsum(vf<W> v) {
+  if constexpr (W == 4) {
+    return (v[0] + v[2]) + (v[1] + v[3]);
+  } else {
+    vf<W / 2> lo, hi;
+    std::memcpy(&lo, &v, sizeof lo);
+    std::memcpy(&hi, reinterpret_cast<const char*>(&v) + sizeof lo, sizeof hi);
+    return hsum<W / 2>(lo + hi);
+  }
 }
 
 class ThreadPool {
@@ -203,8 +261,9 @@ bool has_f16c() {
 }
 
 // rows consecutive cache rows (element stride `stride` between rows) -> dst rows of dst_stride.
-ATTNRT_CLONES void convert_rows(const void* src, DType t, int64_t stride, int rows, int D,
-                                float* dst, int dst_stride) {
+template <int W>
+ATTNRT_AI void convert_rows_impl(const void* src, DType t, int64_t stride, int rows, int D,
+                                 float* dst, int dst_stride) {
   if (t == DType::f32) {
     const float* s = static_cast<const float*>(src);
     for (int r = 0; r < rows; ++r)
@@ -215,11 +274,8 @@ ATTNRT_CLONES void convert_rows(const void* src, DType t, int64_t stride, int ro
       const uint16_t* s = s0 + r * stride;
       float* o = dst + static_cast<int64_t>(r) * dst_stride;
       int x = 0;
-      for (; x + 16 <= D; x += 16) {
-        vu16 h;
-        std::memcpy(&h, s + x, sizeof h);
-        const vi w = __builtin_convertvector(h, vi) << 16;
-        std::memcpy(o + x, &w, sizeof w);
+      for (; x + W <= D; x += W) {
+        storev(o + x, load_bf16<W>(s + x));
       }
       for (; x < D; ++x) {
         const uint32_t u = static_cast<uint32_t>(s[x]) << 16;
@@ -238,51 +294,154 @@ ATTNRT_CLONES void convert_rows(const void* src, DType t, int64_t stride, int ro
 
 // ---- the tile kernels ------------------------------------------------------------------------
 
-// Row blocking of the two products: KB keys (or DB dims) x MV vectors of rows = 12-16 accumulators.
-template <int MV>
-constexpr int kBlock = MV == 1 ? 16 : MV == 2 ? 8 : 4;
+// Register blocking of the two products. A pass over the keys (or dims) holds MR row vectors x
+// KB keys (or dims) of accumulators, the MR row operands and a broadcast:
+//  W = 16, 32 zmm: one pass over all MV <= 4 row vectors, KB = 16, 8, 4, 4 (12-16 accumulators);
+//  W = 8 and 4, 16 registers: passes of at most 2 row vectors, 12 accumulators (two rows x six
+//  keys, or one row x 12): 15 registers, where the 16-wide blocking would need 20-64 and spill.
+template <int W>
+constexpr int kPassRows = W == 16 ? 4 : 2;
+constexpr int pass_keys(int W, int MR) {
+  if (W != 16) return 12 / MR;
+  return MR == 1 ? 16 : (MR == 2 ? 8 : 4);
+}
+template <int W, int MR>
+constexpr int kPassKeys = pass_keys(W, MR);
 
-// sT[n][m] = sum_d k[n][d] * qT[d][m] for n < npad (a multiple of 16), rows 16*MV.
-template <int MV>
-ATTNRT_AI void qk_tile(const float* qT, const float* k, int D, int npad, float* sT) {
-  constexpr int KB = kBlock<MV>;
-  constexpr int Mp = 16 * MV;
-  for (int n0 = 0; n0 < npad; n0 += KB) {
-    vf acc[KB][MV];
+// sT[n][m] = sum_d k[n][d] * qT[d][m] for KB keys at k and MR row vectors at qT (row stride Mp).
+template <int W, int MR, int KB>
+ATTNRT_AI void qk_block(const float* qT, int Mp, const float* k, int D, float* sT) {
+  vf<W> acc[KB][MR];
+  for (int i = 0; i < KB; ++i)
+    for (int v = 0; v < MR; ++v) acc[i][v] = vf<W>{};
+  for (int d = 0; d < D; ++d) {
+    vf<W> q[MR];
+    for (int v = 0; v < MR; ++v) q[v] = loadv<W>(qT + d * Mp + v * W);
+    // vector * scalar, not bcast(): GCC then folds the broadcast into the FMA's memory
+    // operand (vfmadd231ps m32{1to16} on AVX-512), where bcast() costs an add and a shuffle
+    // per FMA.
     for (int i = 0; i < KB; ++i)
-      for (int v = 0; v < MV; ++v) acc[i][v] = vf{};
-    const float* kr = k + static_cast<int64_t>(n0) * D;
-    for (int d = 0; d < D; ++d) {
-      vf q[MV];
-      for (int v = 0; v < MV; ++v) q[v] = loadv(qT + d * Mp + v * W);
-      // vector * scalar, not bcast(): GCC then folds the broadcast into the FMA's memory
-      // operand (vfmadd231ps m32{1to16} on AVX-512), where bcast() costs an add and a shuffle
-      // per FMA.
-      for (int i = 0; i < KB; ++i)
-        for (int v = 0; v < MV; ++v) acc[i][v] += q[v] * kr[i * D + d];
-    }
-    for (int i = 0; i < KB; ++i)
-      for (int v = 0; v < MV; ++v) storev(sT + (n0 + i) * Mp + v * W, acc[i][v]);
+      for (int v = 0; v < MR; ++v) acc[i][v] += q[v] * k[i * D + d];
+  }
+  for (int i = 0; i < KB; ++i)
+    for (int v = 0; v < MR; ++v) storev(sT + i * Mp + v * W, acc[i][v]);
+}
+
+// Keys n0, n0 + KB, ... while a whole block fits before npad; returns where it stopped.
+template <int W, int MR, int KB>
+ATTNRT_AI int qk_blocks(const float* qT, int Mp, const float* k, int D, int n0, int npad,
+                        float* sT) {
+  for (; n0 + KB <= npad; n0 += KB)
+    qk_block<W, MR, KB>(qT, Mp, k + static_cast<int64_t>(n0) * D, D, sT + n0 * Mp);
+  return n0;
+}
+
+// One pass of MR row vectors over the npad keys (a multiple of 16); a remainder KB does not
+// divide goes in blocks of 4, 2 and 1.
+template <int W, int MR>
+ATTNRT_AI void qk_pass(const float* qT, int Mp, const float* k, int D, int npad, float* sT) {
+  constexpr int KB = kPassKeys<W, MR>;
+  int n0 = qk_blocks<W, MR, KB>(qT, Mp, k, D, 0, npad, sT);
+  if constexpr (KB > 4) n0 = qk_blocks<W, MR, 4>(qT, Mp, k, D, n0, npad, sT);
+  if constexpr (KB > 2) n0 = qk_blocks<W, MR, 2>(qT, Mp, k, D, n0, npad, sT);
+  if constexpr (KB > 1) qk_blocks<W, MR, 1>(qT, Mp, k, D, n0, npad, sT);
+}
+
+// Whether one pass holds every row vector an item can have (AVX-512: 4 x 16 = kMaxRows). Then the
+// products run one pass with the row stride a constant (W * MV): GCC keeps fewer integers live and
+// does not park them in vector registers, which pushed row operands of the 16-accumulator loops
+// to the stack.
+template <int W>
+constexpr bool kOnePass = W * kPassRows<W> >= kMaxRows;
+
+// sT[n][m] = sum_d k[n][d] * qT[d][m] for n < npad, the MV row vectors in passes.
+template <int W>
+ATTNRT_AI void qk_tile(int MV, const float* qT, const float* k, int D, int npad, float* sT) {
+  if constexpr (kOnePass<W>) {
+    if (MV == 1) qk_pass<W, 1>(qT, W, k, D, npad, sT);
+    if (MV == 2) qk_pass<W, 2>(qT, 2 * W, k, D, npad, sT);
+    if (MV == 3) qk_pass<W, 3>(qT, 3 * W, k, D, npad, sT);
+    if (MV == 4) qk_pass<W, 4>(qT, 4 * W, k, D, npad, sT);
+    return;
+  }
+  const int Mp = W * MV;
+  for (int u0 = 0; u0 < MV;) {
+    const int mr = std::min(kPassRows<W>, MV - u0);
+    const float* q = qT + u0 * W;
+    float* s = sT + u0 * W;
+    if (mr == 1) qk_pass<W, 1>(q, Mp, k, D, npad, s);
+    if (mr == 2) qk_pass<W, 2>(q, Mp, k, D, npad, s);
+    if constexpr (kPassRows<W> >= 3)
+      if (mr == 3) qk_pass<W, 3>(q, Mp, k, D, npad, s);
+    if constexpr (kPassRows<W> >= 4)
+      if (mr == 4) qk_pass<W, 4>(q, Mp, k, D, npad, s);
+    u0 += mr;
   }
 }
 
-// oT[d][m] = oT[d][m] * corr[m] + sum_{n < npad} v[n][d] * pT[n][m].
-template <int MV, int DB>
-ATTNRT_AI void pv_block(float* oT, const float* v, int D, int d0, int npad, const float* pT,
-                        const vf* corr) {
-  constexpr int Mp = 16 * MV;
-  vf acc[DB][MV];
+// oT[d][m] = oT[d][m] * corr[m] + sum_{n < npad} v[n][d] * pT[n][m] for DB dims at v and oT and
+// MR row vectors at oT, pT and corr (row stride Mp).
+template <int W, int MR, int DB>
+ATTNRT_AI void pv_block(float* oT, int Mp, const float* v, int D, int npad, const float* pT,
+                        const float* corr) {
+  vf<W> acc[DB][MR];
   for (int i = 0; i < DB; ++i)
-    for (int u = 0; u < MV; ++u) acc[i][u] = loadv(oT + (d0 + i) * Mp + u * W) * corr[u];
+    for (int u = 0; u < MR; ++u) acc[i][u] = loadv<W>(oT + i * Mp + u * W) * loadv<W>(corr + u * W);
   for (int n = 0; n < npad; ++n) {
-    vf p[MV];
-    for (int u = 0; u < MV; ++u) p[u] = loadv(pT + n * Mp + u * W);
-    const float* vr = v + static_cast<int64_t>(n) * D + d0;
+    vf<W> p[MR];
+    for (int u = 0; u < MR; ++u) p[u] = loadv<W>(pT + n * Mp + u * W);
+    const float* vr = v + static_cast<int64_t>(n) * D;
     for (int i = 0; i < DB; ++i)
-      for (int u = 0; u < MV; ++u) acc[i][u] += p[u] * vr[i];  // (broadcast folded, as in qk_tile)
+      for (int u = 0; u < MR; ++u) acc[i][u] += p[u] * vr[i];  // (broadcast folded, as in qk_block)
   }
   for (int i = 0; i < DB; ++i)
-    for (int u = 0; u < MV; ++u) storev(oT + (d0 + i) * Mp + u * W, acc[i][u]);
+    for (int u = 0; u < MR; ++u) storev(oT + i * Mp + u * W, acc[i][u]);
+}
+
+template <int W, int MR, int DB>
+ATTNRT_AI int pv_blocks(float* oT, int Mp, const float* v, int D, int d0, int npad, const float* pT,
+                        const float* corr) {
+  for (; d0 + DB <= D; d0 += DB) pv_block<W, MR, DB>(oT + d0 * Mp, Mp, v + d0, D, npad, pT, corr);
+  return d0;
+}
+
+// One pass of MR row vectors over the D dims; a remainder DB does not divide goes in blocks of
+// 4, 2 and 1.
+template <int W, int MR>
+ATTNRT_AI void pv_pass(float* oT, int Mp, const float* v, int D, int npad, const float* pT,
+                       const float* corr) {
+  constexpr int DB = kPassKeys<W, MR>;
+  int d0 = pv_blocks<W, MR, DB>(oT, Mp, v, D, 0, npad, pT, corr);
+  if constexpr (DB > 4) d0 = pv_blocks<W, MR, 4>(oT, Mp, v, D, d0, npad, pT, corr);
+  if constexpr (DB > 2) d0 = pv_blocks<W, MR, 2>(oT, Mp, v, D, d0, npad, pT, corr);
+  if constexpr (DB > 1) pv_blocks<W, MR, 1>(oT, Mp, v, D, d0, npad, pT, corr);
+}
+
+// oT = oT * corr + v^T pT over the MV row vectors, in passes.
+template <int W>
+ATTNRT_AI void pv_tile(int MV, float* oT, const float* v, int D, int npad, const float* pT,
+                       const float* corr) {
+  if constexpr (kOnePass<W>) {
+    if (MV == 1) pv_pass<W, 1>(oT, W, v, D, npad, pT, corr);
+    if (MV == 2) pv_pass<W, 2>(oT, 2 * W, v, D, npad, pT, corr);
+    if (MV == 3) pv_pass<W, 3>(oT, 3 * W, v, D, npad, pT, corr);
+    if (MV == 4) pv_pass<W, 4>(oT, 4 * W, v, D, npad, pT, corr);
+    return;
+  }
+  const int Mp = W * MV;
+  for (int u0 = 0; u0 < MV;) {
+    const int mr = std::min(kPassRows<W>, MV - u0);
+    float* o = oT + u0 * W;
+    const float* p = pT + u0 * W;
+    const float* c = corr + u0 * W;
+    if (mr == 1) pv_pass<W, 1>(o, Mp, v, D, npad, p, c);
+    if (mr == 2) pv_pass<W, 2>(o, Mp, v, D, npad, p, c);
+    if constexpr (kPassRows<W> >= 3)
+      if (mr == 3) pv_pass<W, 3>(o, Mp, v, D, npad, p, c);
+    if constexpr (kPassRows<W> >= 4)
+      if (mr == 4) pv_pass<W, 4>(o, Mp, v, D, npad, p, c);
+    u0 += mr;
+  }
 }
 
 struct TileState {
@@ -294,107 +453,79 @@ struct TileState {
   int D;
 };
 
-// One flash step of an attention item over a tile of npad keys (k, v: [npad][D] f32;
-// jpos[n]: absolute key position, kMaskedPos for padding).
-template <int MV>
-ATTNRT_AI void attend_tile_impl(const TileState& s, const float* k, const float* v,
+// One flash step of an attention item of MV row vectors over a tile of npad keys (k, v:
+// [npad][D] f32; jpos[n]: absolute key position, kMaskedPos for padding).
+template <int W>
+ATTNRT_AI void attend_tile_impl(int MV, const TileState& s, const float* k, const float* v,
                                 const int32_t* jpos, int npad, float* sT) {
-  constexpr int Mp = 16 * MV;
-  const int D = s.D;
-  qk_tile<MV>(s.qT, k, D, npad, sT);
-  vi rp[MV];
-  vf tmax[MV];
+  const int Mp = W * MV, D = s.D;
+  qk_tile<W>(MV, s.qT, k, D, npad, sT);
+  const vf<W> ninf = bcast<W>(kNegInf);
+  alignas(64) float corr[kMaxRows];
+  // Row vector by row vector: the running state of one vector stays in registers.
   for (int u = 0; u < MV; ++u) {
-    std::memcpy(&rp[u], s.rowpos + u * W, sizeof(vi));
-    tmax[u] = bcast(kNegInf);
-  }
-  const vf ninf = bcast(kNegInf);
-  for (int n = 0; n < npad; ++n) {
-    const vi jp = bcasti(jpos[n]);
-    for (int u = 0; u < MV; ++u) {
-      vf x = loadv(sT + n * Mp + u * W);
-      x = jp > rp[u] ? ninf : x;
-      storev(sT + n * Mp + u * W, x);
-      tmax[u] = vmax(tmax[u], x);
+    float* su = sT + u * W;
+    vi<W> rp;
+    std::memcpy(&rp, s.rowpos + u * W, sizeof rp);
+    vf<W> tmax = ninf;
+    for (int n = 0; n < npad; ++n) {
+      vf<W> x = loadv<W>(su + n * Mp);
+      x = bcasti<W>(jpos[n]) > rp ? ninf : x;
+      storev(su + n * Mp, x);
+      tmax = vmax(tmax, x);
     }
-  }
-  vf shift[MV], corr[MV], lsum[MV];
-  for (int u = 0; u < MV; ++u) {
-    const vf mold = loadv(s.m + u * W);
-    const vf mnew = vmax(mold, tmax[u]);
-    shift[u] = mnew == ninf ? vf{} : mnew;
-    corr[u] = exp2v(mold - shift[u]);
-    lsum[u] = vf{};
+    const vf<W> mold = loadv<W>(s.m + u * W);
+    const vf<W> mnew = vmax(mold, tmax);
+    const vf<W> shift = mnew == ninf ? vf<W>{} : mnew;
+    const vf<W> c = exp2v(mold - shift);
     storev(s.m + u * W, mnew);
-  }
-  for (int n = 0; n < npad; ++n)
-    for (int u = 0; u < MV; ++u) {
-      const vf p = exp2v(loadv(sT + n * Mp + u * W) - shift[u]);
-      storev(sT + n * Mp + u * W, p);
-      lsum[u] += p;
+    vf<W> lsum{};
+    for (int n = 0; n < npad; ++n) {
+      const vf<W> p = exp2v(loadv<W>(su + n * Mp) - shift);
+      storev(su + n * Mp, p);
+      lsum += p;
     }
-  for (int u = 0; u < MV; ++u) storev(s.l + u * W, loadv(s.l + u * W) * corr[u] + lsum[u]);
-  constexpr int DB = kBlock<MV>;
-  int d0 = 0;
-  for (; d0 + DB <= D; d0 += DB) pv_block<MV, DB>(s.oT, v, D, d0, npad, sT, corr);
-  for (; d0 < D; ++d0) pv_block<MV, 1>(s.oT, v, D, d0, npad, sT, corr);
-}
-
-ATTNRT_CLONES void attend_tile(int MV, const TileState& s, const float* k, const float* v,
-                               const int32_t* jpos, int npad, float* sT) {
-  switch (MV) {
-    case 1: attend_tile_impl<1>(s, k, v, jpos, npad, sT); break;
-    case 2: attend_tile_impl<2>(s, k, v, jpos, npad, sT); break;
-    case 3: attend_tile_impl<3>(s, k, v, jpos, npad, sT); break;
-    default: attend_tile_impl<4>(s, k, v, jpos, npad, sT); break;
+    storev(s.l + u * W, loadv<W>(s.l + u * W) * c + lsum);
+    storev(corr + u * W, c);
   }
-}
-
-// Sum of the 16 lanes, as a fixed tree (deterministic).
-ATTNRT_AI float hsum(vf v) {
-  typedef float v8 __attribute__((vector_size(32)));
-  typedef float v4 __attribute__((vector_size(16)));
-  const v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-               __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  const v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-  return (b[0] + b[2]) + (b[1] + b[3]);
+  pv_tile<W>(MV, s.oT, v, D, npad, sT, corr);
 }
 
 // The single-row form of qk_tile (one query row: the decode indexer with one index head, where
-// the 16-row form would waste 15 of 16 lanes): sT[n][*] = dot(k[n], q), vectorised over d
-// (D a multiple of 16), the score broadcast over the row vector.
+// the row-vector form would waste W-1 of W lanes): sT[n][*] = dot(k[n], q), vectorised over d
+// (D a multiple of W), the score broadcast over the row vector.
+template <int W>
 ATTNRT_AI void qk_row(const float* q, const float* k, int D, int npad, float* sT) {
   for (int n = 0; n < npad; n += 4) {
-    vf a[4] = {};
+    vf<W> a[4] = {};
     const float* kr = k + static_cast<int64_t>(n) * D;
     for (int d = 0; d < D; d += W) {
-      const vf qv = loadv(q + d);
-      for (int i = 0; i < 4; ++i) a[i] += loadv(kr + i * D + d) * qv;
+      const vf<W> qv = loadv<W>(q + d);
+      for (int i = 0; i < 4; ++i) a[i] += loadv<W>(kr + i * D + d) * qv;
     }
-    for (int i = 0; i < 4; ++i) storev(sT + (n + i) * W, bcast(hsum(a[i])));
+    for (int i = 0; i < 4; ++i) storev(sT + (n + i) * W, bcast<W>(hsum<W>(a[i])));
   }
 }
 
 // Indexer step over a tile: scores (natural-log units, q pre-scaled by index_scale) reduced
 // into per-block statistics bm[c][m] (max) and, for lse, bsum[c][m] relative to bm. qrow: the
-// single query row when there is one and D is a multiple of 16 (else nullptr).
-template <int MV>
-ATTNRT_AI void index_tile_impl(const float* qT, const float* qrow, int D, const int32_t* rowpos,
-                               const float* k, const int32_t* jpos, int npad, int nvalid,
-                               float* sT, int B, bool lse, float* bm, float* bsum) {
-  constexpr int Mp = 16 * MV;
+// single query row when there is one and D is a multiple of W (else nullptr).
+template <int W>
+ATTNRT_AI void index_tile_impl(int MV, const float* qT, const float* qrow, int D,
+                               const int32_t* rowpos, const float* k, const int32_t* jpos, int npad,
+                               int nvalid, float* sT, int B, bool lse, float* bm, float* bsum) {
+  const int Mp = W * MV;
   if (MV == 1 && qrow != nullptr)
-    qk_row(qrow, k, D, npad, sT);
+    qk_row<W>(qrow, k, D, npad, sT);
   else
-    qk_tile<MV>(qT, k, D, npad, sT);
-  vi rp[MV];
-  for (int u = 0; u < MV; ++u) std::memcpy(&rp[u], rowpos + u * W, sizeof(vi));
-  const vf ninf = bcast(kNegInf);
-  for (int n = 0; n < nvalid; ++n) {
-    const vi jp = bcasti(jpos[n]);
-    for (int u = 0; u < MV; ++u) {
-      vf x = loadv(sT + n * Mp + u * W);
-      storev(sT + n * Mp + u * W, jp > rp[u] ? ninf : x);
+    qk_tile<W>(MV, qT, k, D, npad, sT);
+  const vf<W> ninf = bcast<W>(kNegInf);
+  for (int u = 0; u < MV; ++u) {
+    vi<W> rp;
+    std::memcpy(&rp, rowpos + u * W, sizeof rp);
+    for (int n = 0; n < nvalid; ++n) {
+      const vf<W> x = loadv<W>(sT + n * Mp + u * W);
+      storev(sT + n * Mp + u * W, bcasti<W>(jpos[n]) > rp ? ninf : x);
     }
   }
   // Keys of a tile are consecutive positions: walk block segments.
@@ -404,16 +535,17 @@ ATTNRT_AI void index_tile_impl(const float* qT, const float* qrow, int D, const 
     while (n1 < nvalid && jpos[n1] / B == c) ++n1;
     for (int u = 0; u < MV; ++u) {
       float* bmc = bm + static_cast<int64_t>(c) * Mp + u * W;
-      vf segmax = ninf;
-      for (int n = n0; n < n1; ++n) segmax = vmax(segmax, loadv(sT + n * Mp + u * W));
-      const vf mold = loadv(bmc);
-      const vf mnew = vmax(mold, segmax);
+      vf<W> segmax = ninf;
+      for (int n = n0; n < n1; ++n) segmax = vmax(segmax, loadv<W>(sT + n * Mp + u * W));
+      const vf<W> mold = loadv<W>(bmc);
+      const vf<W> mnew = vmax(mold, segmax);
       storev(bmc, mnew);
       if (lse) {
         float* bsc = bsum + static_cast<int64_t>(c) * Mp + u * W;
-        const vf shift = mnew == ninf ? vf{} : mnew;
-        vf acc = loadv(bsc) * exp2v((mold - shift) * kLog2e);
-        for (int n = n0; n < n1; ++n) acc += exp2v((loadv(sT + n * Mp + u * W) - shift) * kLog2e);
+        const vf<W> shift = mnew == ninf ? vf<W>{} : mnew;
+        vf<W> acc = loadv<W>(bsc) * exp2v((mold - shift) * kLog2e);
+        for (int n = n0; n < n1; ++n)
+          acc += exp2v((loadv<W>(sT + n * Mp + u * W) - shift) * kLog2e);
         storev(bsc, acc);
       }
     }
@@ -421,16 +553,24 @@ ATTNRT_AI void index_tile_impl(const float* qT, const float* qrow, int D, const 
   }
 }
 
-ATTNRT_CLONES void index_tile(int MV, const float* qT, const float* qrow, int D,
-                              const int32_t* rowpos, const float* k, const int32_t* jpos, int npad,
-                              int nvalid, float* sT, int B, bool lse, float* bm, float* bsum) {
-  switch (MV) {
-    case 1: index_tile_impl<1>(qT, qrow, D, rowpos, k, jpos, npad, nvalid, sT, B, lse, bm, bsum); break;
-    case 2: index_tile_impl<2>(qT, qrow, D, rowpos, k, jpos, npad, nvalid, sT, B, lse, bm, bsum); break;
-    case 3: index_tile_impl<3>(qT, qrow, D, rowpos, k, jpos, npad, nvalid, sT, B, lse, bm, bsum); break;
-    default: index_tile_impl<4>(qT, qrow, D, rowpos, k, jpos, npad, nvalid, sT, B, lse, bm, bsum); break;
-  }
-}
+// ---- kernel sets -----------------------------------------------------------------------------
+
+// The kernel templates of one vector width, inlined into entry points compiled for one target.
+// Each set is complete; the backend picks one when it is created (core/cpu_dispatch.h).
+struct KernelSet {
+  CpuIsa isa;
+  int W;  // floats per vector = query rows per row vector
+  void (*convert_rows)(const void* src, DType t, int64_t stride, int rows, int D, float* dst,
+                       int dst_stride);
+  void (*attend_tile)(int MV, const TileState& s, const float* k, const float* v,
+                      const int32_t* jpos, int npad, float* sT);
+  void (*index_tile)(int MV, const float* qT, const float* qrow, int D, const int32_t* rowpos,
+                     const float* k, const int32_t* jpos, int npad, int nvalid, float* sT, int B,
+                     bool lse, float* bm, float* bsum);
+  void (*index_row_scores)(const float* q, int D, const TensorView& kc, const int32_t* pages,
+                           int page_size, int64_t nkeys, int B, bool lse, float* bm, float* bsum,
+                           int bstride);
+};
 
 // ---- plan --------------------------------------------------------------------------------------
 
@@ -457,7 +597,8 @@ struct CpuPlan : BackendPlan {
   std::vector<Item> items;   // in processing order (most expensive first)
   std::vector<Merge> merges;
   int rows_per_item = 1;     // M = tokens x heads per item
-  int MV = 1;                // vectors of 16 rows
+  int W = 16;                // rows per row vector (the kernel set's vector width)
+  int MV = 1;                // row vectors per item
   int max_blocks = 0;        // index: blocks of the longest request
   size_t scratch_floats = 0;  // per worker
   int64_t num_partials = 0;
@@ -486,9 +627,9 @@ struct KeyCursor {
 
 // Fills up to kKeyTile keys: K (and V when vt) rows as f32, jpos; pads to a multiple of 16 with
 // zero rows at kMaskedPos. Returns the number of valid keys; *npad gets the padded count.
-int fill_tile(KeyCursor& cur, const TensorView& kc, const TensorView* vc, DType dt,
-              const BatchLayout& L, int b, int g, int D, float* kt, float* vt, int32_t* jpos,
-              int* npad) {
+int fill_tile(const KernelSet& ks, KeyCursor& cur, const TensorView& kc, const TensorView* vc,
+              DType dt, const BatchLayout& L, int b, int g, int D, float* kt, float* vt,
+              int32_t* jpos, int* npad) {
   int n = 0;
   const int P = L.page_size;
   const int32_t* pages = L.page_ids.data() + L.page_indptr[b];
@@ -499,11 +640,12 @@ int fill_tile(KeyCursor& cur, const TensorView& kc, const TensorView* vc, DType 
         std::min<int64_t>({end - cur.j, kKeyTile - n, P - in_page}));
     const int64_t page = pages[cur.j / P];
     const int64_t koff = page * kc.strides[0] + in_page * kc.strides[1] + g * kc.strides[2];
-    convert_rows(elem_ptr(kc, koff), dt, kc.strides[1], run, D, kt + static_cast<int64_t>(n) * D, D);
+    ks.convert_rows(elem_ptr(kc, koff), dt, kc.strides[1], run, D, kt + static_cast<int64_t>(n) * D,
+                    D);
     if (vt) {
       const int64_t voff = page * vc->strides[0] + in_page * vc->strides[1] + g * vc->strides[2];
-      convert_rows(elem_ptr(*vc, voff), dt, vc->strides[1], run, D,
-                   vt + static_cast<int64_t>(n) * D, D);
+      ks.convert_rows(elem_ptr(*vc, voff), dt, vc->strides[1], run, D,
+                      vt + static_cast<int64_t>(n) * D, D);
     }
     for (int i = 0; i < run; ++i) jpos[n + i] = static_cast<int32_t>(cur.j + i);
     n += run;
@@ -556,28 +698,31 @@ void prefetch_tile(KeyCursor cur, const TensorView& kc, const TensorView* vc, co
   }
 }
 
+// Keys the decode indexer prefetches ahead: 4-8 KB, about a DRAM latency at one thread's
+// bandwidth.
+constexpr int64_t kPrefetchKeys = 16;
+
 // Block scores of ONE query row straight from the paged cache (the decode indexer with one index
 // head): no f32 tile, no broadcast of each score over a row vector. Keys 0 .. nkeys-1 of the
-// request, rows of bf16 or f32 converted in registers; q: [D] f32, pre-scaled, D a multiple of 16.
+// request, rows of bf16 or f32 converted in registers; q: [D] f32, pre-scaled, D a multiple of W.
 // bm[c * bstride] = max over block c; with lse, bsum[c * bstride] = sum of exp(s - max).
 // Four keys per step (independent accumulators); every dot product is reduced by the same
-// fixed tree, so results do not depend on the page layout.
-ATTNRT_CLONES void index_row_scores(const float* q, int D, const TensorView& kc,
-                                    const int32_t* pages, int page_size, int64_t nkeys, int B,
-                                    bool lse, float* bm, float* bsum, int bstride) {
-  const bool bf16 = kc.dtype == DType::bf16;
-  const int64_t es = static_cast<int64_t>(dtype_size(kc.dtype));
+// fixed tree, so results do not depend on the page layout. One copy per dtype (BF16: bf16, else
+// f32): with the dtype tested in the inner loop GCC neither unswitched nor unrolled it at W = 16.
+template <int W, bool BF16>
+ATTNRT_AI void index_row_scores_typed(const float* q, int D, const TensorView& kc,
+                                      const int32_t* pages, int page_size, int64_t nkeys, int B,
+                                      bool lse, float* bm, float* bsum, int bstride) {
+  const int64_t es = BF16 ? 2 : 4;
+  const char* base = static_cast<const char*>(kc.data);
   auto row = [&](int64_t j) {
-    return elem_ptr(kc, pages[j / page_size] * kc.strides[0] + (j % page_size) * kc.strides[1]);
+    return base + (pages[j / page_size] * kc.strides[0] + (j % page_size) * kc.strides[1]) * es;
   };
-  auto load16 = [&](const char* r, int x) {
-    if (!bf16) return loadv(reinterpret_cast<const float*>(r) + x);
-    vu16 h;
-    std::memcpy(&h, r + 2 * x, sizeof h);
-    const vi w = __builtin_convertvector(h, vi) << 16;
-    vf f;
-    std::memcpy(&f, &w, sizeof f);
-    return f;
+  auto loadrow = [&](const char* r, int x) {
+    if constexpr (BF16)
+      return load_bf16<W>(reinterpret_cast<const uint16_t*>(r) + x);
+    else
+      return loadv<W>(reinterpret_cast<const float*>(r) + x);
   };
   float sc[4];
   for (int64_t c0 = 0; c0 < nkeys; c0 += B) {
@@ -587,14 +732,19 @@ ATTNRT_CLONES void index_row_scores(const float* q, int D, const TensorView& kc,
       const int n = static_cast<int>(std::min<int64_t>(4, c1 - j));
       const char* r[4];
       for (int i = 0; i < 4; ++i) r[i] = row(j + std::min(i, n - 1));
-      if (j + 4 < c1 && (j + 4) % page_size < 4)  // the next page's first rows
-        for (int64_t x = 0; x < D * es; x += 64) __builtin_prefetch(row(j + 4) + x);
-      vf a[4] = {};
+      // The rows kPrefetchKeys ahead, every step: the hardware prefetcher alone restarts at
+      // every page and leaves one thread latency-bound (~50% of the streaming bandwidth).
+      for (int64_t jj = j + kPrefetchKeys; jj < std::min(j + kPrefetchKeys + 4, nkeys); ++jj)
+        for (int64_t x = 0; x < D * es; x += 64) __builtin_prefetch(row(jj) + x);
+      vf<W> a[4] = {};
       for (int x = 0; x < D; x += W) {
-        const vf qv = loadv(q + x);
-        for (int i = 0; i < 4; ++i) a[i] += load16(r[i], x) * qv;
+        const vf<W> qv = loadv<W>(q + x);
+        // (Unrolled by hand: GCC's size estimate of the 16-lane bf16 widening kept this loop
+        // rolled at W = 16, with the accumulators in memory.)
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; ++i) a[i] += loadrow(r[i], x) * qv;
       }
-      for (int i = 0; i < 4; ++i) sc[i] = hsum(a[i]);
+      for (int i = 0; i < 4; ++i) sc[i] = hsum<W>(a[i]);
       float cm = kNegInf;
       for (int i = 0; i < n; ++i) cm = std::max(cm, sc[i]);
       if (lse) {
@@ -611,9 +761,64 @@ ATTNRT_CLONES void index_row_scores(const float* q, int D, const TensorView& kc,
   }
 }
 
+// kc: bf16 or f32.
+template <int W>
+ATTNRT_AI void index_row_scores_impl(const float* q, int D, const TensorView& kc,
+                                     const int32_t* pages, int page_size, int64_t nkeys, int B,
+                                     bool lse, float* bm, float* bsum, int bstride) {
+  if (kc.dtype == DType::bf16)
+    index_row_scores_typed<W, true>(q, D, kc, pages, page_size, nkeys, B, lse, bm, bsum, bstride);
+  else
+    index_row_scores_typed<W, false>(q, D, kc, pages, page_size, nkeys, B, lse, bm, bsum, bstride);
+}
+
+// Defines the entry points of width W under TARGET and the set NAME that lists them.
+#define ATTNRT_KERNEL_SET(NAME, ISA, W, TARGET)                                                  \
+  TARGET void NAME##_convert_rows(const void* src, DType t, int64_t stride, int rows, int D,     \
+                                  float* dst, int dst_stride) {                                  \
+    convert_rows_impl<W>(src, t, stride, rows, D, dst, dst_stride);                              \
+  }                                                                                              \
+  TARGET void NAME##_attend_tile(int MV, const TileState& s, const float* k, const float* v,     \
+                                 const int32_t* jpos, int npad, float* sT) {                     \
+    attend_tile_impl<W>(MV, s, k, v, jpos, npad, sT);                                            \
+  }                                                                                              \
+  TARGET void NAME##_index_tile(int MV, const float* qT, const float* qrow, int D,               \
+                                const int32_t* rowpos, const float* k, const int32_t* jpos,      \
+                                int npad, int nvalid, float* sT, int B, bool lse, float* bm,     \
+                                float* bsum) {                                                   \
+    index_tile_impl<W>(MV, qT, qrow, D, rowpos, k, jpos, npad, nvalid, sT, B, lse, bm, bsum);    \
+  }                                                                                              \
+  TARGET void NAME##_index_row_scores(const float* q, int D, const TensorView& kc,               \
+                                      const int32_t* pages, int page_size, int64_t nkeys, int B, \
+                                      bool lse, float* bm, float* bsum, int bstride) {           \
+    index_row_scores_impl<W>(q, D, kc, pages, page_size, nkeys, B, lse, bm, bsum, bstride);      \
+  }                                                                                              \
+  constexpr KernelSet NAME = {ISA,                                                               \
+                              W,                                                                 \
+                              NAME##_convert_rows,                                               \
+                              NAME##_attend_tile,                                                \
+                              NAME##_index_tile,                                                 \
+                              NAME##_index_row_scores};
+
+ATTNRT_KERNEL_SET(kAvx512Kernels, CpuIsa::avx512, 16, ATTNRT_TARGET_AVX512)
+ATTNRT_KERNEL_SET(kAvx2Kernels, CpuIsa::avx2, 8, ATTNRT_TARGET_AVX2)
+ATTNRT_KERNEL_SET(kBaselineKernels, CpuIsa::baseline, 4, )
+#undef ATTNRT_KERNEL_SET
+
+const KernelSet& kernels_for(CpuIsa isa) {
+  switch (isa) {
+    case CpuIsa::avx512:
+      return kAvx512Kernels;
+    case CpuIsa::avx2:
+      return kAvx2Kernels;
+    default:
+      return kBaselineKernels;
+  }
+}
+
 class CpuBackend final : public Backend {
  public:
-  explicit CpuBackend(int threads) : pool_(threads) {}
+  CpuBackend(int threads, CpuIsa isa) : ks_(kernels_for(isa)), pool_(threads) {}
   const std::string& name() const override { return name_; }
   int priority() const override { return 100; }
   std::vector<Device> devices() const override { return {Device::cpu()}; }
@@ -681,8 +886,9 @@ class CpuBackend final : public Backend {
     // selections agree). Decode: one token per request.
     const int QT = is_decode(p.op) ? 1 : std::max(1, kMaxRows / G);
     pl.rows_per_item = QT * G;
-    pl.MV = static_cast<int>((pl.rows_per_item + 15) / 16);
-    const int Mp = 16 * pl.MV;
+    pl.W = ks_.W;
+    pl.MV = (pl.rows_per_item + pl.W - 1) / pl.W;
+    const int Mp = pl.W * pl.MV;
     const int nreq = L.num_requests();
     const int64_t sparse_keys =
         sparse ? static_cast<int64_t>(p.num_index_heads / Hkv) * p.topk * p.block_size : 0;
@@ -747,8 +953,9 @@ class CpuBackend final : public Backend {
     while (QT > 1 && static_cast<size_t>(max_blocks) * round16(QT * hc) * lse > (size_t(1) << 20))
       QT /= 2;
     pl.rows_per_item = QT * hc;
-    pl.MV = (pl.rows_per_item + 15) / 16;
-    const int Mp = 16 * pl.MV;
+    pl.W = ks_.W;
+    pl.MV = (pl.rows_per_item + pl.W - 1) / pl.W;
+    const int Mp = pl.W * pl.MV;
     for (int b = 0; b < L.num_requests(); ++b) {
       const int64_t r0 = L.q_indptr[b], r1 = L.q_indptr[b + 1];
       for (int h0 = 0; h0 < H; h0 += hc)
@@ -816,7 +1023,7 @@ class CpuBackend final : public Backend {
                    const Item& it, int64_t row0, int nrows, const std::vector<int32_t>& sel,
                    float* scratch, float* partials) const {
     const int Hkv = p.num_kv_heads, G = p.num_q_heads / Hkv, D = p.head_dim;
-    const int MV = (nrows * G + 15) / 16, Mp = 16 * MV;  // <= cp.MV
+    const int MV = (nrows * G + cp.W - 1) / cp.W, Mp = cp.W * MV;  // <= cp.MV
     const int M = nrows * G;
     const int b = it.b, g = it.g;
     float* qT = scratch;
@@ -883,9 +1090,9 @@ class CpuBackend final : public Backend {
     KeyCursor cur(segs.data(), static_cast<int>(segs.size()));
     while (!cur.done()) {
       int npad = 0;
-      fill_tile(cur, t.k_cache, &t.v_cache, p.kv_dtype, L, b, g, D, kt, vt, jpos, &npad);
+      fill_tile(ks_, cur, t.k_cache, &t.v_cache, p.kv_dtype, L, b, g, D, kt, vt, jpos, &npad);
       prefetch_tile(cur, t.k_cache, &t.v_cache, L, b, g, D);
-      attend_tile(MV, st, kt, vt, jpos, npad, sT);
+      ks_.attend_tile(MV, st, kt, vt, jpos, npad, sT);
     }
     if (it.partial >= 0) {
       float* slot = partials + round16(cp.partial_floats) * it.partial;
@@ -925,7 +1132,7 @@ class CpuBackend final : public Backend {
   // Combines the splits of one (request, kv head) in split order.
   void merge_splits(const CpuPlan& cp, const Problem& p, const Tensors& t, const Merge& mg,
                     const float* partials) const {
-    const int G = p.num_q_heads / p.num_kv_heads, D = p.head_dim, Mp = 16 * cp.MV;
+    const int G = p.num_q_heads / p.num_kv_heads, D = p.head_dim, Mp = cp.W * cp.MV;
     const size_t slot = round16(cp.partial_floats);
     std::vector<float> o(D);
     for (int r = 0; r < G; ++r) {
@@ -949,7 +1156,7 @@ class CpuBackend final : public Backend {
   void index_item(const CpuPlan& cp, const Problem& p, const BatchLayout& L, const Tensors& t,
                   const Item& it, float* scratch) const {
     const int Di = p.index_dim, B = p.block_size, K = p.topk;
-    const int MV = cp.MV, Mp = 16 * MV, hc = it.nheads;
+    const int MV = cp.MV, Mp = cp.W * MV, hc = it.nheads;
     const int M = it.nrows * hc;
     const bool lse = p.score_type == ScoreType::lse;
     const int b = it.b;
@@ -980,24 +1187,24 @@ class CpuBackend final : public Backend {
     // One row (decode, one index head): the dot-product form of the scores.
     std::array<float, 256> qrow_buf;
     const float* qrow = nullptr;
-    if (M == 1 && Di % W == 0 && Di <= 256) {
+    if (M == 1 && Di % cp.W == 0 && Di <= 256) {
       for (int x = 0; x < Di; ++x) qrow_buf[x] = qT[x * Mp];
       qrow = qrow_buf.data();
     }
     if (qrow && (p.kv_dtype == DType::bf16 || p.kv_dtype == DType::f32) &&
         t.index_k_cache.strides[3] == 1) {
       // One row (qrow implies M == 1): scored straight from the cache.
-      index_row_scores(qrow, Di, t.index_k_cache, L.page_ids.data() + L.page_indptr[b], L.page_size,
-                       last + 1, B, lse, bm, bsum, Mp);
+      ks_.index_row_scores(qrow, Di, t.index_k_cache, L.page_ids.data() + L.page_indptr[b],
+                           L.page_size, last + 1, B, lse, bm, bsum, Mp);
     } else {
       const std::pair<int64_t, int64_t> seg{0, last + 1};
       KeyCursor cur(&seg, 1);
       while (!cur.done()) {
         int npad = 0;
-        const int n = fill_tile(cur, t.index_k_cache, nullptr, p.kv_dtype, L, b, 0, Di, kt,
+        const int n = fill_tile(ks_, cur, t.index_k_cache, nullptr, p.kv_dtype, L, b, 0, Di, kt,
                                 nullptr, jpos, &npad);
         prefetch_tile(cur, t.index_k_cache, nullptr, L, b, 0, Di);
-        index_tile(MV, qT, qrow, Di, rowpos, kt, jpos, npad, n, sT, B, lse, bm, bsum);
+        ks_.index_tile(MV, qT, qrow, Di, rowpos, kt, jpos, npad, n, sT, B, lse, bm, bsum);
       }
     }
     for (int r = 0; r < M; ++r) {
@@ -1025,13 +1232,17 @@ class CpuBackend final : public Backend {
   }
 
   std::string name_ = "cpu";
+  const KernelSet& ks_;
   ThreadPool pool_;
 };
 
 }  // namespace
 
-std::unique_ptr<Backend> make_cpu_backend(int num_threads) {
-  return std::make_unique<CpuBackend>(num_threads);
+std::unique_ptr<Backend> make_cpu_backend(int num_threads, CpuIsa isa) {
+  if (!cpu_supports(isa))
+    throw InvalidArgument(std::string("cpu backend: this CPU lacks the ") + cpu_isa_name(isa) +
+                          " instruction set (it has " + cpu_isa_name(best_cpu_isa()) + ")");
+  return std::make_unique<CpuBackend>(num_threads, isa);
 }
 
 }  // namespace attnrt
