@@ -118,9 +118,10 @@ void doctor(const std::string& model_name, bool as_json) {
   }
   std::cout << "model: " << m.describe() << "\n\ndevices:\n";
   for (const auto& d : j["devices"]) {
+    const int ps = d["preferred_page_size"].get<int>();
     std::cout << "  " << d["device"].get<std::string>() << ": "
-              << d["description"].get<std::string>()
-              << " (preferred page size " << d["preferred_page_size"].get<int>() << ")\n";
+              << d["description"].get<std::string>() << " (preferred page size "
+              << (ps > 0 ? std::to_string(ps) : std::string("any")) << ")\n";
   }
   std::cout << "\nbackends (priority order):";
   for (const auto& b : j["backends"]) std::cout << " " << b.get<std::string>();

@@ -161,6 +161,8 @@ class Runtime {
   void copy_to_device(const DeviceBuffer& dst, const void* src, size_t bytes, size_t offset = 0);
   void copy_to_host(void* dst, const DeviceBuffer& src, size_t bytes, size_t offset = 0);
   void synchronize(const Device& device);
+  // What the device is, for people (e.g. "host, avx2 kernels", "NVIDIA H200, sm_90, 132 SMs,
+  // ..."), without the device's own name; why not, if it cannot be described.
   std::string describe_device(const Device& device) const;
 
   struct Impl;

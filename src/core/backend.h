@@ -125,7 +125,8 @@ class Backend {
     throw InternalError(name() + ": no device memory");
   }
   virtual void synchronize(const Device&) {}
-  virtual std::string describe_device(const Device& d) const { return d.str(); }
+  // What the device is, for people, without its name (Runtime::describe_device).
+  virtual std::string describe_device(const Device&) const { return name() + " device"; }
 };
 
 }  // namespace attnrt

@@ -200,8 +200,8 @@ class PluginBackend : public Backend {
     char buf[256] = {0};
     if (lib_->table->describe_device &&
         lib_->table->describe_device(to_c(d), buf, sizeof buf) == ATTNRT_OK && buf[0])
-      return d.str() + ": " + buf;
-    return d.str();
+      return buf;
+    return name_ + " device (the plugin does not describe it)";
   }
 
  private:

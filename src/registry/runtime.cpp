@@ -529,12 +529,11 @@ void Runtime::synchronize(const Device& device) {
 
 std::string Runtime::describe_device(const Device& device) const {
   if (device.is_host())
-    return std::string("cpu: host, ") + cpu_isa_name(impl_->registry.options().cpu_isa) +
-           " kernels";
+    return std::string("host, ") + cpu_isa_name(impl_->registry.options().cpu_isa) + " kernels";
   try {
     return impl_->memory_owner(device)->describe_device(device);
   } catch (const Error& e) {
-    return device.str() + ": " + e.what();
+    return e.what();
   }
 }
 
