@@ -1,13 +1,15 @@
 // Kernel arguments of the CUDA plugin's dense ops, shared by the mma.sync kernels (dense_mma.cu)
 // and the Hopper extend kernel (dense_wgmma.cu): the run's tensors plus the plan's device
-// metadata.
+// metadata, and the device steps both extend kernels share (key -> page, writing a finished row).
 #pragma once
-
-#include "cuda_common/attend_tensors.h"
 
 #include <cuda_runtime.h>
 
 #include <cstdint>
+
+#include "cuda_common/attend_tensors.h"
+#include "cuda_common/mma_sm80.cuh"
+#include "cuda_common/softmax_state.cuh"
 
 namespace attnrt_cuda_dense {
 
@@ -35,6 +37,26 @@ __device__ __forceinline__ void key_page(const Args& a, int j, int& pg, int& row
     pg = j / a.page_size;
     row = j - pg * a.page_size;
   }
+}
+
+// Writes one finished query row of an extend tile (packed token `tok`, query head h) from this
+// thread's share of it: column pairs (8 i + 2 t4, + 1) for i < kPairs, pair(i) giving the two
+// unnormalised values. O / l with the sink folded in (0 for a row that saw no key), and the
+// natural-log lse, written by the quad's first thread.
+template <typename T, int kPairs, typename Pair>
+__device__ __forceinline__ void store_extend_row(const Args& a, int64_t tok, int h, int t4, float m,
+                                                 float l, Pair pair) {
+  const float c = a.sink != nullptr ? attnrt_cuda_common::fold_sink(m, l, a.sink[h]) : 1.f;
+  const float inv = l > 0.f ? c / l : 0.f;
+  T* orow = static_cast<T*>(a.out) + tok * a.o_s0 + h * a.o_s1 + 2 * t4;
+#pragma unroll
+  for (int i = 0; i < kPairs; ++i) {
+    const float2 v = pair(i);
+    *reinterpret_cast<uint32_t*>(orow + i * 8) =
+        attnrt_cuda_common::Mma<T>::pack(v.x * inv, v.y * inv);
+  }
+  if (a.lse != nullptr && t4 == 0)
+    a.lse[tok * a.lse_s0 + h] = attnrt_cuda_common::natural_lse(m, l);
 }
 
 // Hopper (sm_90a) dense_extend for head_dim 128: warpgroup MMA (wgmma) from shared memory, 128

@@ -312,24 +312,14 @@ __global__ void __launch_bounds__(kThreads, DECODE ? (D == 256 ? 1 : 3) : 2) att
   }
 
   if constexpr (!DECODE) {
-    T* __restrict__ out = static_cast<T*>(a.out);
 #pragma unroll
     for (int q = 0; q < NQ; ++q) {
       const int mr = q >> 1, h = (q & 1) * 2;
       const int row = wrow + mr * 16 + g + 8 * (q & 1);
-      float mm = m[q], ll = l[q];
-      const float c = a.sink != nullptr ? fold_sink(mm, ll, a.sink[h_ext]) : 1.f;
-      if (row >= rows_valid) continue;
-      const float inv = ll > 0.f ? c / ll : 0.f;
-      T* orow = out + static_cast<int64_t>(tok0 + row) * a.o_s0 + h_ext * a.o_s1 + 2 * t4;
-#pragma unroll
-      for (int dt = 0; dt < DT; ++dt) {
-        const uint32_t v = Mma<T>::pack(o[mr][dt][h] * inv, o[mr][dt][h + 1] * inv);
-        *reinterpret_cast<uint32_t*>(orow + dt * 8) = v;
-      }
-      if (a.lse != nullptr && t4 == 0)
-        a.lse[static_cast<int64_t>(tok0 + row) * a.lse_s0 + h_ext] =
-            natural_lse(mm, ll);
+      if (row < rows_valid)
+        store_extend_row<T, DT>(a, tok0 + row, h_ext, t4, m[q], l[q], [&](int dt) {
+          return make_float2(o[mr][dt][h], o[mr][dt][h + 1]);
+        });
     }
   } else {
     // Merge the 4 warps (same rows, different keys) through shared memory (K/V stages are free).

@@ -13,15 +13,13 @@
 // Shared-memory tiles use the 128-byte swizzle of the wgmma descriptors: a [rows][128] tile is two
 // 64-column panels of 128-byte rows whose 16-byte chunks are XOR-ed with (row & 7); K and V share
 // the layout (K is read K-major, V N-major).
-#include "dense_args.h"
-
-#include "cuda_common/mma_sm80.cuh"
-#include "cuda_common/softmax_state.cuh"
-
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include <cmath>
+
+#include "cuda_common/mma_sm80.cuh"
+#include "dense_args.h"
 
 namespace attnrt_cuda_dense {
 namespace {
@@ -347,22 +345,13 @@ __global__ void __launch_bounds__(kThreads, 1) extend_wgmma_kernel(const Args a)
     l[hr] += __shfl_xor_sync(0xffffffffu, l[hr], 1);
     l[hr] += __shfl_xor_sync(0xffffffffu, l[hr], 2);
   }
-  T* __restrict__ out = static_cast<T*>(a.out);
 #pragma unroll
   for (int hr = 0; hr < 2; ++hr) {
     const int row = r0 + 8 * hr;
-    float mm = m[hr], ll = l[hr];
-    const float c = a.sink != nullptr ? fold_sink(mm, ll, a.sink[h]) : 1.f;
-    if (row >= rows_valid) continue;
-    const float inv = ll > 0.f ? c / ll : 0.f;
-    T* orow = out + static_cast<int64_t>(tok0 + row) * a.o_s0 + h * a.o_s1 + 2 * t4;
-#pragma unroll
-    for (int dt = 0; dt < 16; ++dt)
-      *reinterpret_cast<uint32_t*>(orow + dt * 8) =
-          Mma<T>::pack(o[dt * 4 + 2 * hr] * inv, o[dt * 4 + 2 * hr + 1] * inv);
-    if (a.lse != nullptr && t4 == 0)
-      a.lse[static_cast<int64_t>(tok0 + row) * a.lse_s0 + h] =
-          natural_lse(mm, ll);
+    if (row < rows_valid)
+      store_extend_row<T, 16>(a, tok0 + row, h, t4, m[hr], l[hr], [&](int dt) {
+        return make_float2(o[dt * 4 + 2 * hr], o[dt * 4 + 2 * hr + 1]);
+      });
   }
 #endif
 }
