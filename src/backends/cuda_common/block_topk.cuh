@@ -3,11 +3,10 @@
 // block_topk(): of n candidates with ordered 32-bit keys (larger is better), selects the keff
 // largest and writes their ids 0..n-1 in ascending order through out(i, id), i = 0..keff-1.
 // Ties at the threshold go to the lowest ids, as a stable descending sort would choose. The
-// threshold is found by a 4-pass 8-bit radix select (no sort of all n), the selection is
-// compacted by a block scan. Every thread of the CTA must call it; keff <= n.
+// threshold is found by an 8-bit radix select of at most 4 passes (no sort of all n), stopping
+// once every key of the threshold's bin is taken; one warp compacts the selection in id order.
+// Every thread of the CTA must call it; keff <= n.
 #pragma once
-
-#include <cub/block/block_scan.cuh>
 
 #include <cstdint>
 
@@ -32,12 +31,10 @@ __device__ __forceinline__ uint32_t block_score_key(float v, int c, int init_blo
 
 template <int THREADS>
 struct BlockTopK {
-  using Scan = cub::BlockScan<int, THREADS>;
   struct Storage {
-    typename Scan::TempStorage scan;
     uint32_t hist[256];
     uint32_t prefix, mask;
-    int remaining;
+    int remaining, done;
   };
 
   template <class KeyFn, class OutFn>
@@ -47,6 +44,7 @@ struct BlockTopK {
       s.prefix = 0;
       s.mask = 0;
       s.remaining = keff;
+      s.done = 0;
     }
     for (int shift = 24; shift >= 0; shift -= 8) {
       for (int i = tid; i < 256; i += THREADS) s.hist[i] = 0;
@@ -78,12 +76,13 @@ struct BlockTopK {
         const unsigned ballot = __ballot_sync(0xffffffffu, incl >= rem);
         const int first = __ffs(ballot) - 1;
         if (lane == first) {
-          int above = excl;
+          int above = excl, in_bin = 0;
           int bin = 255 - 8 * lane;
 #pragma unroll
           for (int i = 0; i < 8; ++i) {
             if (above + cnt[i] >= rem) {
               bin = 255 - 8 * lane - i;
+              in_bin = cnt[i];
               break;
             }
             above += cnt[i];
@@ -91,29 +90,36 @@ struct BlockTopK {
           s.prefix = prefix | (static_cast<uint32_t>(bin) << shift);
           s.mask = mask | (255u << shift);
           s.remaining = rem - above;
+          // Every key of the bin is taken: the threshold need not be refined further.
+          s.done = in_bin == rem - above;
         }
       }
       __syncthreads();
+      if (s.done) break;
     }
-    const uint32_t thr = s.prefix;
-    const int take_eq = s.remaining;
-    int eq_seen = 0, written = 0;
-    for (int base = 0; base < n; base += THREADS) {
-      const int c = base + tid;
-      const uint32_t u = c < n ? key(c) : 0u;
-      const int gt = c < n && u > thr;
-      const int eq = c < n && u == thr;
-      int eq_rank, eq_total;
-      Scan(s.scan).ExclusiveSum(eq, eq_rank, eq_total);
-      __syncthreads();
-      const int sel = gt || (eq && eq_seen + eq_rank < take_eq);
-      int at, sel_total;
-      Scan(s.scan).ExclusiveSum(sel, at, sel_total);
-      __syncthreads();
-      if (sel && written + at < keff) out(written + at, c);
-      eq_seen += eq_total;
-      written += sel_total;
+    // Keys above the threshold prefix are taken, and of those equal to it (under the mask) the
+    // first `remaining` by id. One warp walks the ids in order, 32 at a time, so the output comes
+    // out ascending without a block-wide scan.
+    if (tid < 32) {
+      const int lane = tid;
+      const uint32_t thr = s.prefix, mask = s.mask;
+      const int take_eq = s.remaining;
+      const unsigned below = (1u << lane) - 1u;
+      int eq_seen = 0, written = 0;
+      for (int base = 0; base < n && written < keff; base += 32) {
+        const int c = base + lane;
+        const uint32_t u = c < n ? key(c) & mask : 0u;
+        const bool gt = c < n && u > thr, eq = c < n && u == thr;
+        const unsigned eq_ballot = __ballot_sync(0xffffffffu, eq);
+        const bool sel = gt || (eq && eq_seen + __popc(eq_ballot & below) < take_eq);
+        const unsigned sel_ballot = __ballot_sync(0xffffffffu, sel);
+        const int at = written + __popc(sel_ballot & below);
+        if (sel && at < keff) out(at, c);
+        eq_seen += __popc(eq_ballot);
+        written += __popc(sel_ballot);
+      }
     }
+    __syncthreads();  // the storage may be reused
   }
 };
 

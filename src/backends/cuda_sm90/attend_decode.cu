@@ -1,13 +1,19 @@
-// Fused sparse attend for decode (see attend_decode.h): one launch per call, no merge kernel.
+// Fused sparse attend for decode (see attend_decode.h): one launch per call, no merge kernel, no
+// partials in global memory.
 //
-// Grid: 16 CTAs per request, one per selection slot. A CTA gathers its block's 128 keys of K and
-// V (one page each) and the request's 16 query rows into XOR-swizzled shared memory with
-// cp.async, then each of its 4 warps takes 32 keys: S = Q K^T and O = P V on tensor cores
-// (mma.sync m16n8k16; the 16 mma rows are the 16 query heads, so each K/V row is read once),
-// keys past kv_len masked, P rounded to the K/V dtype as the reference does. The warps merge
-// through shared memory into the slot's partial (o, log2 lse); empty or repeated slots write
-// (o = 0, lse = -inf). The last CTA of the request (atomic counter, reset by it for graph
-// replay) weighs the 16 partials by their lse, folds in the sink and writes out and lse.
+// Grid: `parts` CTAs per request, one thread-block cluster; CTA r takes the selection slots
+// [r*S, r*S + S), S = 16 / parts. A CTA keeps the slots that are live (in the context, not a
+// repeat of an earlier slot) and streams their K and V pages (one page each per block) into
+// XOR-swizzled shared memory with cp.async, double-buffered when S > 1. Each of its 4 warps
+// takes 32 keys of every block: S = Q K^T and O = P V on tensor cores (mma.sync m16n8k16; the 16
+// mma rows are the 16 query heads, so each K/V row is read once), keys past kv_len masked, P
+// rounded to the K/V dtype as the reference does, an online softmax across the blocks. The warps
+// merge in shared memory into the CTA's partial (o, log2 lse); a CTA with no live block holds
+// (o = 0, lse = -inf). After a cluster barrier, CTA r reads every partial of heads r, r + parts,
+// ... through distributed shared memory, weighs them by their lse, folds in the sink and writes
+// out and lse. The launch is a programmatic dependent of the indexer: q, lengths and page tables
+// load before the wait, the selections after it.
+#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -18,6 +24,7 @@
 #include <attnrt/plugin.h>
 
 #include "attend_decode.h"
+#include "cuda_common/grid_dependency.cuh"
 #include "cuda_common/kernel_attr.h"
 #include "cuda_common/mma_sm80.cuh"
 #include "cuda_common/softmax_state.cuh"
@@ -27,180 +34,265 @@
 namespace attnrt_cuda_sm90 {
 namespace {
 
+namespace cg = cooperative_groups;
 using namespace attnrt_cuda_common;
 
 constexpr int kThreads = 128;
-constexpr int kKeys = kBlock;       // keys of a block, 32 per warp
-constexpr int kDT = kHeadDim / 8;   // O n-tiles
-constexpr size_t kSmemElems = static_cast<size_t>(kHeads + 2 * kKeys) * kHeadDim;
+constexpr int kWarps = kThreads / 32;
+constexpr int kDT = kHeadDim / 8;  // O n-tiles
+constexpr int kQBytes = kHeads * kHeadDim * 2;
+constexpr int kTileBytes = kBlock * kHeadDim * 2;  // K (or V) of one block: one page
+constexpr int kStageBytes = 2 * kTileBytes;
+static_assert(kBlock == kWarps * 32, "each warp takes 32 keys of a block");
+static_assert((kWarps + 1) * kHeads * kHeadDim * sizeof(float) <= kStageBytes,
+              "the warps' merge buffer and the CTA's partial fit in the first stage");
+
+constexpr int stages_for(int parts) { return parts == kTopK ? 1 : 2; }
+constexpr int smem_bytes(int parts) { return kQBytes + stages_for(parts) * kStageBytes; }
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads, 3) attend_decode_kernel(AttendDecodeArgs a) {
   extern __shared__ __align__(128) unsigned char smem_raw[];
   T* sQ = reinterpret_cast<T*>(smem_raw);  // [16][128]
-  T* sK = sQ + kHeads * kHeadDim;          // [128][128]
-  T* sV = sK + kKeys * kHeadDim;           // [128][128]
-  __shared__ float s_m[4][kHeads], s_l[4][kHeads];
-  __shared__ int s_last, s_sel[kTopK];
+  unsigned char* stages = smem_raw + kQBytes;
+  __shared__ float s_m[kWarps][kHeads], s_l[kWarps][kHeads], s_lse[kHeads];
+  __shared__ int s_sel[kTopK], s_blk[kTopK], s_nlive;
+  __shared__ int64_t s_page[kTopK];
 
-  const int b = blockIdx.x / kTopK, slot = blockIdx.x % kTopK;
+  const cg::cluster_group cluster = cg::this_cluster();
+  const int parts = a.parts, S = kTopK / parts, nst = S > 1 ? 2 : 1;
+  const int b = blockIdx.x / parts, part = static_cast<int>(cluster.block_rank());
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, t4 = lane & 3;
-  const int kv = a.kv_len[b];
-  const int nblk = (kv + kBlock - 1) / kBlock;
-  // The request's selection row, loaded in parallel (one dependent load, not one per slot).
-  if (tid < kTopK) s_sel[tid] = a.topk[static_cast<int64_t>(b) * a.t_s1 + tid * a.t_s2];
-  __syncthreads();
-  const int c = s_sel[slot];
-  bool live = c >= 0 && c < nblk;
-  for (int s = 0; s < slot; ++s) live = live && s_sel[s] != c;  // a repeat counts once
-  const int j0 = c * kBlock, jend = min(j0 + kBlock, kv);
-  const int64_t slot_row = (static_cast<int64_t>(b) * kTopK + slot) * kHeads;
 
-  if (live) {
+  // What the indexer does not write: q, the length and the page table.
+  {
     const T* q = static_cast<const T*>(a.q) + static_cast<int64_t>(b) * a.q_s0;
     for (int i = tid; i < kHeads * kDT; i += kThreads) {
       const int r = i / kDT, ch = i % kDT;
       cp_async16(smem_u32(sQ + swz<kHeadDim>(r, ch * 8)), q + r * a.q_s1 + ch * 8, true);
     }
-    const int64_t page = a.page_ids[a.page_indptr[b] + c];
-    const T* kp = static_cast<const T*>(a.kc) + page * a.k_s0;
-    const T* vp = static_cast<const T*>(a.vc) + page * a.v_s0;
+    cp_commit();
+  }
+  const int kv = a.kv_len[b];
+  const int nblk = (kv + kBlock - 1) / kBlock;
+  const int32_t* pages = a.page_ids + a.page_indptr[b];
+  grid_dependency_wait();  // the selections are the indexer's output
+  if (tid < kTopK) s_sel[tid] = a.topk[static_cast<int64_t>(b) * a.t_s1 + tid * a.t_s2];
+  __syncthreads();
+  if (warp == 0) {  // this CTA's live blocks, compacted in slot order, and their pages
+    int c = -1;
+    bool live = false;
+    if (lane < S) {
+      const int slot = part * S + lane;
+      c = s_sel[slot];
+      live = c >= 0 && c < nblk;
+      for (int s = 0; s < slot; ++s) live = live && s_sel[s] != c;  // a repeat counts once
+    }
+    const unsigned ballot = __ballot_sync(0xffffffffu, live);
+    if (live) {
+      const int at = __popc(ballot & ((1u << lane) - 1u));
+      s_blk[at] = c;
+      s_page[at] = pages[c];
+    }
+    if (lane == 0) s_nlive = __popc(ballot);
+  }
+  __syncthreads();
+  const int nlive = s_nlive;
+
+  const T* kc = static_cast<const T*>(a.kc);
+  const T* vc = static_cast<const T*>(a.vc);
+  auto load = [&](int i) {  // block i's K and V into stage i % nst, rows past kv_len zeroed
+    T* sK = reinterpret_cast<T*>(stages + (i % nst) * kStageBytes);
+    T* sV = sK + kBlock * kHeadDim;
+    const int rows = min(kBlock, kv - s_blk[i] * kBlock);
+    const T* kp = kc + s_page[i] * a.k_s0;
+    const T* vp = vc + s_page[i] * a.v_s0;
     const int ch = tid % kDT;
 #pragma unroll 4
-    for (int r = tid / kDT; r < kKeys; r += kThreads / kDT) {
-      const bool valid = j0 + r < jend;
+    for (int r = tid / kDT; r < kBlock; r += kThreads / kDT) {
+      const bool valid = r < rows;
       cp_async16(smem_u32(sK + swz<kHeadDim>(r, ch * 8)), valid ? kp + r * a.k_s1 + ch * 8 : kp,
                  valid);
       cp_async16(smem_u32(sV + swz<kHeadDim>(r, ch * 8)), valid ? vp + r * a.v_s1 + ch * 8 : vp,
                  valid);
     }
     cp_commit();
-    cp_wait<0>();
-    __syncthreads();
+  };
+  for (int i = 0; i < nst && i < nlive; ++i) load(i);
 
-    // S = Q K^T, softmax (keys past kv_len masked) and O = P V over this warp's 32 keys.
-    const int wkey = warp * 32;
-    float s[4][4];
+  // Online softmax over the live blocks, each warp on its 32 keys of each.
+  const int wkey = warp * 32;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+  float o[kDT][4];
+#pragma unroll
+  for (int i = 0; i < kDT; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+  for (int i = 0; i < nlive; ++i) {
+    if (nst == 2 && i + 1 < nlive)
+      cp_wait<1>();
+    else
+      cp_wait<0>();
+    __syncthreads();
+    const T* sK = reinterpret_cast<const T*>(stages + (i % nst) * kStageBytes);
+    const T* sV = sK + kBlock * kHeadDim;
+    const int j0 = s_blk[i] * kBlock, jend = min(j0 + kBlock, kv);
+    float s[4][4], mb[2], lb[2];
     warp_qk<T, kHeadDim>(s, sQ, sK, wkey);
-    float m[2], l[2];
-    warp_softmax(s, j0 + wkey, a.scale_log2, [&](int j) { return j < jend; }, m, l);
-    float o[kDT][4];
-#pragma unroll
-    for (int i = 0; i < kDT; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
-    warp_pv<T, kHeadDim>(o, s, sV, wkey);
-    // Merge the 4 warps (same rows, different keys) through shared memory; sK is free now.
-    __syncthreads();
-    float* red = reinterpret_cast<float*>(sK);  // [4][16][128] floats = the K tile's bytes
-    static_assert(4 * kHeads * kHeadDim * sizeof(float) <= 2 * kKeys * kHeadDim * sizeof(T),
-                  "merge buffer fits in K and V");
-    if (t4 == 0) {
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        s_m[warp][g + 8 * r] = m[r];
-        s_l[warp][g + 8 * r] = l[r];
-      }
-    }
-    __syncthreads();
+    warp_softmax(s, j0 + wkey, a.scale_log2, [&](int j) { return j < jend; }, mb, lb);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const int row = g + 8 * r;
-      float M = -INFINITY;
+      const float M = fmaxf(m[r], mb[r]);
+      const float ca = m[r] == -INFINITY ? 0.f : exp2f(m[r] - M);
+      const float cb = mb[r] == -INFINITY ? 0.f : exp2f(mb[r] - M);
+      l[r] = l[r] * ca + lb[r] * cb;
+      m[r] = M;
 #pragma unroll
-      for (int w = 0; w < 4; ++w) M = fmaxf(M, s_m[w][row]);
-      const float f = m[r] == -INFINITY ? 0.f : exp2f(m[r] - M);
-      float* dst = red + (warp * kHeads + row) * kHeadDim + 2 * t4;
+      for (int n = 0; n < 4; ++n) {
+        s[n][2 * r] *= cb;
+        s[n][2 * r + 1] *= cb;
+      }
 #pragma unroll
       for (int dt = 0; dt < kDT; ++dt) {
-        dst[dt * 8] = o[dt][2 * r] * f;
-        dst[dt * 8 + 1] = o[dt][2 * r + 1] * f;
+        o[dt][2 * r] *= ca;
+        o[dt][2 * r + 1] *= ca;
       }
     }
-    __syncthreads();
-    for (int idx = tid; idx < kHeads * kHeadDim; idx += kThreads) {
-      const int row = idx / kHeadDim, d = idx % kHeadDim;
-      float M = -INFINITY;
+    warp_pv<T, kHeadDim>(o, s, sV, wkey);
+    __syncthreads();  // the stage is free
+    if (i + nst < nlive) load(i + nst);
+  }
+  cp_wait<0>();  // q's copy, when no block was live
+
+  // The CTA's partial: the 4 warps (same rows, different keys) merged through the first stage.
+  float* red = reinterpret_cast<float*>(stages);  // [4][16][128]
+  float* po = red + kWarps * kHeads * kHeadDim;   // [16][128], normalised
+  if (t4 == 0) {
 #pragma unroll
-      for (int w = 0; w < 4; ++w) M = fmaxf(M, s_m[w][row]);
-      float L = 0.f, acc = 0.f;
-      if (M != -INFINITY) {
-#pragma unroll
-        for (int w = 0; w < 4; ++w) {
-          L += s_l[w][row] * exp2f(s_m[w][row] - M);
-          acc += red[(w * kHeads + row) * kHeadDim + d];
-        }
-      }
-      a.part_o[(slot_row + row) * kHeadDim + d] = L > 0.f ? acc / L : 0.f;
-      if (d == 0) a.part_lse[slot_row + row] = log2_lse(M, L);
-    }
-  } else {
-    for (int idx = tid; idx < kHeads * kHeadDim; idx += kThreads) {
-      a.part_o[slot_row * kHeadDim + idx] = 0.f;
-      if (idx < kHeads) a.part_lse[slot_row + idx] = -INFINITY;
+    for (int r = 0; r < 2; ++r) {
+      s_m[warp][g + 8 * r] = m[r];
+      s_l[warp][g + 8 * r] = l[r];
     }
   }
-
-  // The last CTA of the request merges the 16 slots.
-  __threadfence();
   __syncthreads();
-  if (tid == 0) s_last = atomicAdd(&a.counters[b], 1) == kTopK - 1;
-  __syncthreads();
-  if (!s_last) return;
-  __threadfence();
-  if (tid == 0) a.counters[b] = 0;  // ready for the next launch (graph replay)
-  __shared__ float s_w[kTopK][kHeads], s_inv[kHeads];
-  const int64_t req_row = static_cast<int64_t>(b) * kTopK * kHeads;
-  for (int h = tid; h < kHeads; h += kThreads) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = g + 8 * r;
     float M = -INFINITY;
-    for (int k = 0; k < kTopK; ++k) M = fmaxf(M, __ldcg(a.part_lse + req_row + k * kHeads + h));
-    float L = 0.f;
-    for (int k = 0; k < kTopK; ++k) {
-      const float lk = __ldcg(a.part_lse + req_row + k * kHeads + h);
-      const float w = M == -INFINITY ? 0.f : exp2f(lk - M);  // -inf - M -> 0
-      s_w[k][h] = w;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) M = fmaxf(M, s_m[w][row]);
+    const float f = m[r] == -INFINITY ? 0.f : exp2f(m[r] - M);
+    float* dst = red + (warp * kHeads + row) * kHeadDim + 2 * t4;
+#pragma unroll
+    for (int dt = 0; dt < kDT; ++dt) {
+      dst[dt * 8] = o[dt][2 * r] * f;
+      dst[dt * 8 + 1] = o[dt][2 * r + 1] * f;
+    }
+  }
+  __syncthreads();
+  for (int idx = tid; idx < kHeads * kHeadDim; idx += kThreads) {
+    const int row = idx / kHeadDim;
+    float M = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) M = fmaxf(M, s_m[w][row]);
+    float L = 0.f, acc = 0.f;
+    if (M != -INFINITY) {
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) {
+        L += s_l[w][row] * exp2f(s_m[w][row] - M);
+        acc += red[w * kHeads * kHeadDim + idx];
+      }
+    }
+    po[idx] = L > 0.f ? acc / L : 0.f;
+    if (idx % kHeadDim == 0) s_lse[row] = log2_lse(M, L);
+  }
+  cluster.sync();  // every partial of the request is complete and visible to the cluster
+
+  // CTA `part` finishes heads part, part + parts, ...: the partials weighed by their lse.
+  T* out = static_cast<T*>(a.out) + static_cast<int64_t>(b) * a.o_s0;
+  for (int idx = tid; idx < S * (kHeadDim / 2); idx += kThreads) {
+    const int h = part + parts * (idx / (kHeadDim / 2)), d = 2 * (idx % (kHeadDim / 2));
+    float M = -INFINITY;
+    for (int k = 0; k < parts; ++k) M = fmaxf(M, *cluster.map_shared_rank(&s_lse[h], k));
+    float L = 0.f, acc0 = 0.f, acc1 = 0.f;
+    for (int k = 0; k < parts; ++k) {
+      const float w = M == -INFINITY ? 0.f : exp2f(*cluster.map_shared_rank(&s_lse[h], k) - M);
+      const float2 v =
+          *reinterpret_cast<const float2*>(cluster.map_shared_rank(po, k) + h * kHeadDim + d);
       L += w;
+      acc0 += w * v.x;
+      acc1 += w * v.y;
     }
     if (a.sink != nullptr) {
       const float cf = fold_sink(M, L, a.sink[h]);
-      for (int k = 0; k < kTopK; ++k) s_w[k][h] *= cf;
+      acc0 *= cf;
+      acc1 *= cf;
     }
-    s_inv[h] = L > 0.f ? 1.f / L : 0.f;
-    if (a.lse != nullptr)
+    const float inv = L > 0.f ? 1.f / L : 0.f;
+    *reinterpret_cast<uint32_t*>(out + h * a.o_s1 + d) = Mma<T>::pack(acc0 * inv, acc1 * inv);
+    if (d == 0 && a.lse != nullptr)
       a.lse[static_cast<int64_t>(b) * a.lse_s0 + h] = natural_lse(M, L);
   }
-  __syncthreads();
-  T* out = static_cast<T*>(a.out) + static_cast<int64_t>(b) * a.o_s0;
-  for (int idx = tid; idx < kHeads * kHeadDim / 4; idx += kThreads) {
-    const int h = idx / (kHeadDim / 4), d = (idx % (kHeadDim / 4)) * 4;
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 4
-    for (int k = 0; k < kTopK; ++k) {
-      const float w = s_w[k][h];
-      const float4 v = __ldcg(reinterpret_cast<const float4*>(
-          a.part_o + (req_row + k * kHeads + h) * kHeadDim + d));
-      acc.x += w * v.x;
-      acc.y += w * v.y;
-      acc.z += w * v.z;
-      acc.w += w * v.w;
-    }
-    const float inv = s_inv[h];
-    uint2 packed;
-    packed.x = Mma<T>::pack(acc.x * inv, acc.y * inv);
-    packed.y = Mma<T>::pack(acc.z * inv, acc.w * inv);
-    *reinterpret_cast<uint2*>(out + h * a.o_s1 + d) = packed;
-  }
+  cluster.sync();  // no CTA leaves while another still reads its shared memory
+}
+
+template <typename T>
+cudaError_t set_attributes() {
+  if (cudaError_t e = raise_smem_limit<attend_decode_kernel<T>>(smem_bytes(1)); e != cudaSuccess)
+    return e;
+  // Clusters of 16 CTAs: past the portable 8, which Hopper allows on request.
+  return set_attribute_once<attend_decode_kernel<T>,
+                            cudaFuncAttributeNonPortableClusterSizeAllowed>(1);
+}
+
+cudaLaunchConfig_t launch_config(int n, int parts, cudaStream_t st, cudaLaunchAttribute* attrs) {
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(static_cast<unsigned>(n * parts));
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = static_cast<size_t>(smem_bytes(parts));
+  cfg.stream = st;
+  attrs[0].id = cudaLaunchAttributeClusterDimension;
+  attrs[0].val.clusterDim.x = static_cast<unsigned>(parts);
+  attrs[0].val.clusterDim.y = 1;
+  attrs[0].val.clusterDim.z = 1;
+  attrs[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attrs[1].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attrs;
+  cfg.numAttrs = 2;
+  return cfg;
 }
 
 template <typename T>
 cudaError_t launch_t(const AttendDecodeArgs& a, cudaStream_t st) {
-  const int smem = static_cast<int>(kSmemElems * sizeof(T));
-  if (cudaError_t e = raise_smem_limit<attend_decode_kernel<T>>(smem); e != cudaSuccess) return e;
-  const int64_t grid = static_cast<int64_t>(a.n) * kTopK;
-  if (grid > 0) attend_decode_kernel<T><<<static_cast<unsigned>(grid), kThreads, smem, st>>>(a);
-  return cudaGetLastError();
+  if (cudaError_t e = set_attributes<T>(); e != cudaSuccess) return e;
+  if (a.n <= 0) return cudaSuccess;
+  cudaLaunchAttribute attrs[2];
+  const cudaLaunchConfig_t cfg = launch_config(a.n, a.parts, st, attrs);
+  return cudaLaunchKernelEx(&cfg, attend_decode_kernel<T>, a);
 }
 
 }  // namespace
+
+int attend_decode_parts(int n, int sms, int* parts) {
+  using K = __nv_bfloat16;  // both dtypes' kernels use the same resources
+  if (cudaError_t e = set_attributes<K>(); e != cudaSuccess) return e;
+  n = n > 0 ? n : 1;
+  if (n * kTopK <= 3 * sms) {  // one wave of one-block CTAs, 3 per multiprocessor
+    cudaLaunchAttribute attrs[2];
+    const cudaLaunchConfig_t cfg = launch_config(n, kTopK, nullptr, attrs);
+    int clusters = 0;
+    if (cudaError_t e = cudaOccupancyMaxActiveClusters(&clusters, attend_decode_kernel<K>, &cfg);
+        e != cudaSuccess)
+      return e;
+    if (clusters > 0) {
+      *parts = kTopK;
+      return cudaSuccess;
+    }
+  }
+  int p = kTopK / 2;
+  while (p > 1 && n * p > sms) p /= 2;
+  *parts = p;
+  return cudaSuccess;
+}
 
 int launch_attend_decode(const AttendDecodeArgs& a, int dtype, void* stream) {
   cudaStream_t st = static_cast<cudaStream_t>(stream);

@@ -17,13 +17,18 @@ struct AttendDecodeArgs : attnrt_cuda_common::AttendTensors {
   const int32_t* kv_len;
   const int32_t* page_indptr;
   const int32_t* page_ids;
-  float* part_o;     // [n, 16 slots, 16 heads, 128]
-  float* part_lse;   // [n, 16 slots, 16 heads] (log2 domain)
-  int32_t* counters;  // [n], zero between launches
   int n;
+  int parts;         // CTAs per request (one thread-block cluster): 1, 2, 4, 8 or 16
   float scale_log2;  // sm_scale * log2(e)
 };
 
+// The CTAs per request for a batch of n on the current device (`sms` multiprocessors): 16 (one
+// selected block each) while the batch fits one wave of them, else the largest power of two that
+// keeps one wave of one CTA per multiprocessor. Returns a cudaError_t as int.
+int attend_decode_parts(int n, int sms, int* parts);
+
+// Launches on `stream` as a programmatic dependent of the kernel before it (the indexer), so its
+// CTAs start, and load q, while that kernel finishes. Returns a cudaError_t as int.
 int launch_attend_decode(const AttendDecodeArgs& a, int dtype, void* stream);
 
 }  // namespace attnrt_cuda_sm90

@@ -1,7 +1,7 @@
 // Fused decode indexer for the cuda_sm90 plugin (see index_decode.h).
 //
 // One launch does the whole op. Grid: ctas_per_request CTAs per request, each scoring a range of
-// blocks_per_cta blocks. A block is one page, 32 KB contiguous, so a single Hopper bulk copy
+// blocks_per_cta blocks (the plan sizes them so the grid is one wave of resident CTAs). A block is one page, 32 KB contiguous, so a single Hopper bulk copy
 // (cp.async.bulk, completion counted by an mbarrier) brings it into shared memory; two stages
 // keep the next page in flight while the 4 warps score the current one (8 threads per key row,
 // 16 dims each, shuffle-reduced; the block's max over keys j < kv_len). The last CTA of a request
@@ -18,6 +18,7 @@
 #include <attnrt/plugin.h>
 
 #include "cuda_common/block_topk.cuh"
+#include "cuda_common/grid_dependency.cuh"
 #include "cuda_common/kernel_attr.h"
 #include "cuda_common/mbarrier.cuh"
 #include "cuda_common/mma_sm80.cuh"
@@ -38,6 +39,7 @@ using attnrt_cuda_common::bar_init;
 using attnrt_cuda_common::bar_init_fence;
 using attnrt_cuda_common::bar_wait;
 using attnrt_cuda_common::bulk_load;
+using attnrt_cuda_common::grid_launch_dependents;
 
 __device__ __forceinline__ float2 to_float2(uint32_t x, __nv_bfloat16) {
   return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&x));
@@ -67,8 +69,8 @@ __global__ void __launch_bounds__(kThreads) index_decode_kernel(IndexDecodeArgs 
   __shared__ float red[2][kThreads / 32];
   __shared__ typename TopK::Storage topk_storage;
   __shared__ int s_last;
-  __shared__ int64_t s_page[kMaxBlocksPerCta];
 
+  grid_launch_dependents();  // the attend's CTAs may start (and load q) while this one runs
   const int b = blockIdx.x / a.ctas_per_request;
   const int part = blockIdx.x % a.ctas_per_request;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -79,18 +81,22 @@ __global__ void __launch_bounds__(kThreads) index_decode_kernel(IndexDecodeArgs 
   const int32_t* pages = a.page_ids + a.page_indptr[b];
   const T* kc = static_cast<const T*>(a.kc);
 
-  // The CTA's page addresses, loaded in parallel so the copy issuer never waits on one.
-  if (tid < c1 - c0) s_page[tid] = static_cast<int64_t>(pages[c0 + tid]) * a.k_s0;
+  // Thread 0 issues the copies; it reads each page id one block ahead of its copy, so it never
+  // waits on one.
+  auto issue = [&](int s, int64_t page) {
+    bar_expect_tx(&bars[s], kPageBytes);
+    bulk_load(stages + s * kPageBytes, kc + page * a.k_s0, kPageBytes, &bars[s]);
+  };
+  int64_t next_page = 0;  // thread 0: the page of the next block to issue
   if (tid == 0) {
     for (int s = 0; s < kStages; ++s) bar_init(&bars[s], 1);
     bar_init_fence();
+    int64_t first[kStages];
+    for (int s = 0; s < kStages; ++s) first[s] = c0 + s < c1 ? pages[c0 + s] : 0;
+    if (c0 + kStages < c1) next_page = pages[c0 + kStages];
+    for (int s = 0; s < kStages && c0 + s < c1; ++s) issue(s, first[s]);
   }
   __syncthreads();
-  if (tid == 0)
-    for (int s = 0; s < kStages && c0 + s < c1; ++s) {
-      bar_expect_tx(&bars[s], kPageBytes);
-      bulk_load(stages + s * kPageBytes, kc + s_page[s], kPageBytes, &bars[s]);
-    }
 
   // This thread's 16 query dims: [8*sub, 8*sub+8) and [64+8*sub, 64+8*sub+8).
   const int sub = tid & 7;
@@ -129,8 +135,8 @@ __global__ void __launch_bounds__(kThreads) index_decode_kernel(IndexDecodeArgs 
     __syncthreads();  // stage s fully read, red[i & 1] complete
     if (tid == 0) {
       if (c + kStages < c1) {
-        bar_expect_tx(&bars[s], kPageBytes);
-        bulk_load(stages + s * kPageBytes, kc + s_page[i + kStages], kPageBytes, &bars[s]);
+        issue(s, next_page);
+        if (c + kStages + 1 < c1) next_page = pages[c + kStages + 1];
       }
       float bm = red[i & 1][0];
 #pragma unroll

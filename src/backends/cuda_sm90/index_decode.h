@@ -11,7 +11,6 @@ constexpr int kBlock = 128;     // tokens per block = per page
 constexpr int kDim = 128;       // index_dim
 constexpr int kTopK = 16;
 constexpr int kMaxBlocks = 16384;  // per request (2M tokens): the last CTA's scores fit in smem
-constexpr int kMaxBlocksPerCta = 8;  // blocks_per_cta <= this (the plan's choice)
 
 // What the decode and extend indexers both read and write (filled in one place by the plugin).
 struct IndexArgsBase {

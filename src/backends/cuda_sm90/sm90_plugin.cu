@@ -69,20 +69,21 @@ attnrt_cuda_common::DeviceRuntime g_rt("cuda_sm90");
 
 int32_t check_device(attnrt_device d) { return g_rt.check(d, g_error, sizeof g_error); }
 
-// A plan: device copies of the layout (decode: with room to grow), the per-request completion
-// counters of the fused decode kernels, the indexer's score matrix or attend's split partials,
-// and for extend the per-token request/position tables and the indexer's work items.
+// A plan: device copies of the layout (decode: with room to grow), the decode indexer's
+// per-request completion counters and score matrix or the decode attend's CTAs per request, and
+// for extend the per-token request/position tables, work items and split partials.
 struct Sm90Plan {
   attnrt_problem problem{};
   int n = 0;
   int64_t tokens = 0;
   int page_capacity = 0, block_capacity = 0;
   int blocks_per_cta = 2, ctas_per_request = 1;  // decode indexer
+  int attend_parts = 16;                         // decode attend: CTAs per request
   int num_items = 0;                             // extend indexer
   int32_t *d_kv_len = nullptr, *d_page_indptr = nullptr, *d_page_ids = nullptr;
   int32_t* d_counters = nullptr;
   float* d_scores = nullptr;                              // indexer
-  float *d_part_o = nullptr, *d_part_lse = nullptr;       // decode attend
+  float* d_part_lse = nullptr;                            // extend attend
   int32_t *d_q_len = nullptr, *d_row_req = nullptr, *d_row_pos = nullptr;  // extend
   int64_t *d_q_indptr = nullptr, *d_score_base = nullptr;
   attnrt_cuda_sm90::IndexExtendItem* d_items = nullptr;
@@ -96,11 +97,11 @@ struct Sm90Plan {
 
 void free_plan(Sm90Plan* p) {
   if (!p) return;
-  void* bufs[] = {p->d_kv_len,   p->d_page_indptr, p->d_page_ids,  p->d_counters,
-                  p->d_scores,   p->d_part_o,      p->d_part_lse,  p->d_q_len,
-                  p->d_row_req,  p->d_row_pos,     p->d_q_indptr,  p->d_score_base,
-                  p->d_items,    p->d_blk_base,    p->d_blk_req,   p->d_entry_cap,
-                  p->d_entry_base, p->d_entries,   p->d_attend_items, p->d_part_o16};
+  void* bufs[] = {p->d_kv_len,     p->d_page_indptr, p->d_page_ids,      p->d_counters,
+                  p->d_scores,     p->d_part_lse,    p->d_q_len,         p->d_row_req,
+                  p->d_row_pos,    p->d_q_indptr,    p->d_score_base,    p->d_items,
+                  p->d_blk_base,   p->d_blk_req,     p->d_entry_cap,     p->d_entry_base,
+                  p->d_entries,    p->d_attend_items, p->d_part_o16};
   for (void* b : bufs) cudaFree(b);
   delete p;
 }
@@ -271,11 +272,10 @@ int32_t plan_impl(const attnrt_problem* p, const attnrt_layout* L, Sm90Plan* pl)
   pl->page_capacity = std::max(2 * total_pages, total_pages + 16 * n);
   if (int32_t s = check_layout(L, pl->block_capacity, pl->page_capacity); s != ATTNRT_OK) return s;
   // Work split: as many blocks per CTA as makes one wave of resident CTAs (3 per SM by shared
-  // memory) cover the batch, at least 2 (both stages in flight) and at most 8 (short tails).
+  // memory) cover the batch, and at least 2 (both stages in flight).
   const int slots = 3 * g_rt.info(p->device.index).sms;
   const int per_request = std::max(1, slots / std::max(n, 1));
-  pl->blocks_per_cta = std::clamp((pl->block_capacity + per_request - 1) / per_request, 2,
-                                   attnrt_cuda_sm90::kMaxBlocksPerCta);
+  pl->blocks_per_cta = std::max((pl->block_capacity + per_request - 1) / per_request, 2);
   pl->ctas_per_request = (pl->block_capacity + pl->blocks_per_cta - 1) / pl->blocks_per_cta;
   CK(cudaSetDevice(p->device.index));
   if (upload(&pl->d_kv_len, L->kv_len, n, 0, g_error, sizeof g_error) ||
@@ -283,15 +283,14 @@ int32_t plan_impl(const attnrt_problem* p, const attnrt_layout* L, Sm90Plan* pl)
       upload(&pl->d_page_ids, L->page_ids, total_pages, pl->page_capacity, g_error,
              sizeof g_error))
     return ATTNRT_INTERNAL;
-  CK(cudaMalloc(reinterpret_cast<void**>(&pl->d_counters), sizeof(int32_t) * std::max(n, 1)));
-  CK(cudaMemset(pl->d_counters, 0, sizeof(int32_t) * std::max(n, 1)));
   if (p->op == ATTNRT_OP_SPARSE_INDEX_DECODE) {
+    CK(cudaMalloc(reinterpret_cast<void**>(&pl->d_counters), sizeof(int32_t) * std::max(n, 1)));
+    CK(cudaMemset(pl->d_counters, 0, sizeof(int32_t) * std::max(n, 1)));
     CK(cudaMalloc(reinterpret_cast<void**>(&pl->d_scores),
                   sizeof(float) * std::max<size_t>(1, static_cast<size_t>(n) * pl->block_capacity)));
   } else {
-    const size_t rows = std::max<size_t>(1, static_cast<size_t>(n) * kTopK * kHeads);
-    CK(cudaMalloc(reinterpret_cast<void**>(&pl->d_part_o), sizeof(float) * rows * kHeadDim));
-    CK(cudaMalloc(reinterpret_cast<void**>(&pl->d_part_lse), sizeof(float) * rows));
+    CK(static_cast<cudaError_t>(attnrt_cuda_sm90::attend_decode_parts(
+        n, g_rt.info(p->device.index).sms, &pl->attend_parts)));
   }
   return ATTNRT_OK;
 }
@@ -421,10 +420,8 @@ int32_t run_attend(const Sm90Plan& pl, const attnrt_tensors* t, void* stream) {
   a.kv_len = pl.d_kv_len;
   a.page_indptr = pl.d_page_indptr;
   a.page_ids = pl.d_page_ids;
-  a.part_o = pl.d_part_o;
-  a.part_lse = pl.d_part_lse;
-  a.counters = pl.d_counters;
   a.n = pl.n;
+  a.parts = pl.attend_parts;
   a.scale_log2 = p.sm_scale * 1.4426950408889634f;
   CK(static_cast<cudaError_t>(attnrt_cuda_sm90::launch_attend_decode(a, p.q_dtype, stream)));
   return ATTNRT_OK;
