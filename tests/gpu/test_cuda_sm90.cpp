@@ -225,6 +225,27 @@ TEST(CudaSm90, AttendExtendMatchesReference) {
   }
 }
 
+// Every block scores the same (index keys all zero): the selection is decided by ties alone, so
+// it must be exactly the forced blocks and then the lowest ids, in both top-k paths (one warp up
+// to 1024 blocks, the CTA's radix select beyond).
+TEST(CudaSm90, IndexDecodeTiesGoToLowestIds) {
+  REQUIRE_HOPPER();
+  Batch B = decode_batch(ATTNRT_BF16, {70000, 1024 * 128, 200000, 2100}, 91);
+  std::fill(B.ik.begin(), B.ik.end(), uint16_t{0});
+  const SparseParams S = m3_params(1, 2);
+  const Paging P = make_paging(B, 128, 13);
+  const std::vector<int32_t> got = run_index(B, S, P, true);
+  for (size_t b = 0; b < B.kv_len.size(); ++b) {
+    const int nblk = (B.kv_len[b] + 127) / 128;
+    std::vector<int32_t> want;
+    for (int c = 0; c < 14 && c < nblk - 2; ++c) want.push_back(c);  // init block 0, then lowest
+    for (int c = std::max(nblk - 2, 14); c < nblk; ++c) want.push_back(c);  // the local blocks
+    want.resize(16, -1);
+    const std::vector<int32_t> row(got.begin() + b * 16, got.begin() + (b + 1) * 16);
+    EXPECT_EQ(row, want) << "request " << b << " (" << nblk << " blocks)";
+  }
+}
+
 // A batch of many requests (more CTAs than one wave, several CTAs per request).
 TEST(CudaSm90, IndexDecodeLargeBatch) {
   REQUIRE_HOPPER();

@@ -4,14 +4,14 @@
 // Grid: `parts` CTAs per request, one thread-block cluster; CTA r takes the selection slots
 // [r*S, r*S + S), S = 16 / parts. A CTA keeps the slots that are live (in the context, not a
 // repeat of an earlier slot) and streams their K and V pages (one page each per block) into
-// XOR-swizzled shared memory with cp.async, double-buffered when S > 1. Each of its 4 warps
+// XOR-swizzled shared memory with cp.async, up to 3 blocks in flight. Each of its 4 warps
 // takes 32 keys of every block: S = Q K^T and O = P V on tensor cores (mma.sync m16n8k16; the 16
 // mma rows are the 16 query heads, so each K/V row is read once), keys past kv_len masked, P
 // rounded to the K/V dtype as the reference does, an online softmax across the blocks. The warps
 // merge in shared memory into the CTA's partial (o, log2 lse); a CTA with no live block holds
-// (o = 0, lse = -inf). After a cluster barrier, CTA r reads every partial of heads r, r + parts,
-// ... through distributed shared memory, weighs them by their lse, folds in the sink and writes
-// out and lse. The launch is a programmatic dependent of the indexer: q, lengths and page tables
+// (o = 0, lse = -inf). After a cluster barrier, CTA r gathers every partial of heads r, r +
+// parts, ... through distributed shared memory in one round of loads, weighs them by their lse,
+// folds in the sink and writes out and lse. The launch is a programmatic dependent of the indexer: q, lengths and page tables
 // load before the wait, the selections after it.
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
@@ -44,11 +44,23 @@ constexpr int kQBytes = kHeads * kHeadDim * 2;
 constexpr int kTileBytes = kBlock * kHeadDim * 2;  // K (or V) of one block: one page
 constexpr int kStageBytes = 2 * kTileBytes;
 static_assert(kBlock == kWarps * 32, "each warp takes 32 keys of a block");
-static_assert((kWarps + 1) * kHeads * kHeadDim * sizeof(float) <= kStageBytes,
+constexpr int kRedStride = kHeadDim + 8;  // floats per row of the warps' merge buffer: the
+                                          // 8 rows a store instruction writes hit 2 banks apart
+static_assert((kWarps * kRedStride + kHeadDim) * kHeads * sizeof(float) <= kStageBytes,
               "the warps' merge buffer and the CTA's partial fit in the first stage");
 
-constexpr int stages_for(int parts) { return parts == kTopK ? 1 : 2; }
-constexpr int smem_bytes(int parts) { return kQBytes + stages_for(parts) * kStageBytes; }
+// Blocks in flight per CTA: as many as it has, up to 3 (196 KB with q: one CTA per SM).
+__host__ __device__ constexpr int stages_for(int parts) { return kTopK / parts < 3 ? kTopK / parts : 3; }
+
+// A cluster barrier split in two: arrive (releasing this CTA's shared-memory reads and writes to
+// the cluster) early, wait (acquiring the peers') only where it matters.
+__device__ __forceinline__ void cluster_arrive() {
+  asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait() {
+  asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+__host__ __device__ constexpr int smem_bytes(int parts) { return kQBytes + stages_for(parts) * kStageBytes; }
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads, 3) attend_decode_kernel(AttendDecodeArgs a) {
@@ -60,7 +72,7 @@ __global__ void __launch_bounds__(kThreads, 3) attend_decode_kernel(AttendDecode
   __shared__ int64_t s_page[kTopK];
 
   const cg::cluster_group cluster = cg::this_cluster();
-  const int parts = a.parts, S = kTopK / parts, nst = S > 1 ? 2 : 1;
+  const int parts = a.parts, S = kTopK / parts, nst = stages_for(parts);
   const int b = blockIdx.x / parts, part = static_cast<int>(cluster.block_rank());
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, t4 = lane & 3;
@@ -128,10 +140,11 @@ __global__ void __launch_bounds__(kThreads, 3) attend_decode_kernel(AttendDecode
 #pragma unroll
   for (int i = 0; i < kDT; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
   for (int i = 0; i < nlive; ++i) {
-    if (nst == 2 && i + 1 < nlive)
-      cp_wait<1>();
-    else
-      cp_wait<0>();
+    switch (min(nst - 1, nlive - 1 - i)) {  // the copies of later blocks that may still run
+      case 0: cp_wait<0>(); break;
+      case 1: cp_wait<1>(); break;
+      default: cp_wait<2>(); break;
+    }
     __syncthreads();
     const T* sK = reinterpret_cast<const T*>(stages + (i % nst) * kStageBytes);
     const T* sV = sK + kBlock * kHeadDim;
@@ -163,9 +176,10 @@ __global__ void __launch_bounds__(kThreads, 3) attend_decode_kernel(AttendDecode
   }
   cp_wait<0>();  // q's copy, when no block was live
 
-  // The CTA's partial: the 4 warps (same rows, different keys) merged through the first stage.
-  float* red = reinterpret_cast<float*>(stages);  // [4][16][128]
-  float* po = red + kWarps * kHeads * kHeadDim;   // [16][128], normalised
+  // The CTA's partial: each warp scales its rows to their share of the normalised output (the
+  // rows' max and sum over the 4 warps), then the 4 shares are summed through the first stage.
+  float* red = reinterpret_cast<float*>(stages);  // [4][16][kRedStride]
+  float* po = red + kWarps * kHeads * kRedStride;  // [16][128]
   if (t4 == 0) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -177,47 +191,71 @@ __global__ void __launch_bounds__(kThreads, 3) attend_decode_kernel(AttendDecode
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int row = g + 8 * r;
-    float M = -INFINITY;
+    float M = -INFINITY, L = 0.f;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) M = fmaxf(M, s_m[w][row]);
-    const float f = m[r] == -INFINITY ? 0.f : exp2f(m[r] - M);
-    float* dst = red + (warp * kHeads + row) * kHeadDim + 2 * t4;
 #pragma unroll
-    for (int dt = 0; dt < kDT; ++dt) {
-      dst[dt * 8] = o[dt][2 * r] * f;
-      dst[dt * 8 + 1] = o[dt][2 * r + 1] * f;
-    }
+    for (int w = 0; w < kWarps; ++w)
+      L += s_m[w][row] == -INFINITY ? 0.f : s_l[w][row] * exp2f(s_m[w][row] - M);
+    const float f = m[r] == -INFINITY || L == 0.f ? 0.f : exp2f(m[r] - M) / L;
+    float* dst = red + (warp * kHeads + row) * kRedStride + 2 * t4;
+#pragma unroll
+    for (int dt = 0; dt < kDT; ++dt)
+      *reinterpret_cast<float2*>(dst + dt * 8) = make_float2(o[dt][2 * r] * f, o[dt][2 * r + 1] * f);
+    if (warp == 0 && t4 == 0) s_lse[row] = log2_lse(M, L);
   }
   __syncthreads();
-  for (int idx = tid; idx < kHeads * kHeadDim; idx += kThreads) {
-    const int row = idx / kHeadDim;
-    float M = -INFINITY;
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) M = fmaxf(M, s_m[w][row]);
-    float L = 0.f, acc = 0.f;
-    if (M != -INFINITY) {
+  for (int i = 0; i < kHeads * kHeadDim / 4 / kThreads; ++i) {
+    const int idx = (i * kThreads + tid) * 4, row = idx / kHeadDim, d = idx % kHeadDim;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
-      for (int w = 0; w < kWarps; ++w) {
-        L += s_l[w][row] * exp2f(s_m[w][row] - M);
-        acc += red[w * kHeads * kHeadDim + idx];
-      }
+    for (int w = 0; w < kWarps; ++w) {
+      const float4 v = *reinterpret_cast<const float4*>(red + (w * kHeads + row) * kRedStride + d);
+      acc.x += v.x;
+      acc.y += v.y;
+      acc.z += v.z;
+      acc.w += v.w;
     }
-    po[idx] = L > 0.f ? acc / L : 0.f;
-    if (idx % kHeadDim == 0) s_lse[row] = log2_lse(M, L);
+    *reinterpret_cast<float4*>(po + idx) = acc;
   }
   cluster.sync();  // every partial of the request is complete and visible to the cluster
 
-  // CTA `part` finishes heads part, part + parts, ...: the partials weighed by their lse.
+  // CTA `part` finishes heads part, part + parts, ...: S heads x `parts` CTAs = 16 partials,
+  // gathered with one round of loads into red's first 8 KB (row k * S + j: CTA k's partial of
+  // head part + parts * j), then weighed by their lse.
+  __shared__ float s_glse[kTopK];
+  float* gath = red;  // [16][128]
+  {
+    const int row = tid / 8, k = row / S, h = part + parts * (row % S);
+    const float4* src =
+        reinterpret_cast<const float4*>(cluster.map_shared_rank(po, k) + h * kHeadDim) + (tid % 8) * 4;
+    float4 v[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) v[i] = src[i];
+    if (tid % 8 == 0) s_glse[row] = *cluster.map_shared_rank(&s_lse[h], k);
+    float4* dst = reinterpret_cast<float4*>(gath + row * kHeadDim) + (tid % 8) * 4;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) dst[i] = v[i];
+  }
+  static_assert(kThreads == kTopK * 8, "8 threads gather each of the 16 partial rows");
+  cluster_arrive();  // done with the peers' shared memory
+  __syncthreads();
   T* out = static_cast<T*>(a.out) + static_cast<int64_t>(b) * a.o_s0;
   for (int idx = tid; idx < S * (kHeadDim / 2); idx += kThreads) {
-    const int h = part + parts * (idx / (kHeadDim / 2)), d = 2 * (idx % (kHeadDim / 2));
+    const int j = idx / (kHeadDim / 2), h = part + parts * j, d = 2 * (idx % (kHeadDim / 2));
+    // Rows r with r % S == j (S a power of two) are head h's partials; all 16 are visited so the
+    // loads overlap.
     float M = -INFINITY;
-    for (int k = 0; k < parts; ++k) M = fmaxf(M, *cluster.map_shared_rank(&s_lse[h], k));
+#pragma unroll
+    for (int r = 0; r < kTopK; ++r)
+      if ((r & (S - 1)) == j) M = fmaxf(M, s_glse[r]);
     float L = 0.f, acc0 = 0.f, acc1 = 0.f;
-    for (int k = 0; k < parts; ++k) {
-      const float w = M == -INFINITY ? 0.f : exp2f(*cluster.map_shared_rank(&s_lse[h], k) - M);
-      const float2 v =
-          *reinterpret_cast<const float2*>(cluster.map_shared_rank(po, k) + h * kHeadDim + d);
+#pragma unroll
+    for (int r = 0; r < kTopK; ++r) {
+      if ((r & (S - 1)) != j) continue;
+      const float w = M == -INFINITY ? 0.f : exp2f(s_glse[r] - M);
+      const float2 v = *reinterpret_cast<const float2*>(gath + r * kHeadDim + d);
       L += w;
       acc0 += w * v.x;
       acc1 += w * v.y;
@@ -232,7 +270,7 @@ __global__ void __launch_bounds__(kThreads, 3) attend_decode_kernel(AttendDecode
     if (d == 0 && a.lse != nullptr)
       a.lse[static_cast<int64_t>(b) * a.lse_s0 + h] = natural_lse(M, L);
   }
-  cluster.sync();  // no CTA leaves while another still reads its shared memory
+  cluster_wait();  // no CTA leaves while a peer still reads its shared memory
 }
 
 template <typename T>
