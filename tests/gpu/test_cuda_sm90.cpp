@@ -117,7 +117,8 @@ TEST(CudaSm90, AttendDecodeMatchesReference) {
     S.lse = c.lse;
     const Paging P = make_paging(B, 128, 21 + it);
     std::vector<int32_t> topk = random_topk(B, S, 40 + it);
-    if (it == 1 || it >= 4) topk[3] = topk[2];  // a repeated id counts once (the reference takes the union)
+    // A repeated id counts once (the reference takes the union).
+    if (it == 1 || it >= 4) topk[3] = topk[2];
     const AttendOut got = run_attend(ATTNRT_OP_SPARSE_ATTEND_DECODE, B, S, P, &topk);
     std::vector<double> ro, rl;
     ref_attend(B, S, &topk, true, ro, rl);

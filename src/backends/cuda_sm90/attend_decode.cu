@@ -11,8 +11,8 @@
 // merge in shared memory into the CTA's partial (o, log2 lse); a CTA with no live block holds
 // (o = 0, lse = -inf). After a cluster barrier, CTA r gathers every partial of heads r, r +
 // parts, ... through distributed shared memory in one round of loads, weighs them by their lse,
-// folds in the sink and writes out and lse. The launch is a programmatic dependent of the indexer: q, lengths and page tables
-// load before the wait, the selections after it.
+// folds in the sink and writes out and lse. The launch is a programmatic dependent of the indexer:
+// q, lengths and page tables load before the wait, the selections after it.
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -50,7 +50,9 @@ static_assert((kWarps * kRedStride + kHeadDim) * kHeads * sizeof(float) <= kStag
               "the warps' merge buffer and the CTA's partial fit in the first stage");
 
 // Blocks in flight per CTA: as many as it has, up to 3 (196 KB with q: one CTA per SM).
-__host__ __device__ constexpr int stages_for(int parts) { return kTopK / parts < 3 ? kTopK / parts : 3; }
+__host__ __device__ constexpr int stages_for(int parts) {
+  return kTopK / parts < 3 ? kTopK / parts : 3;
+}
 
 // A cluster barrier split in two: arrive (releasing this CTA's shared-memory reads and writes to
 // the cluster) early, wait (acquiring the peers') only where it matters.
@@ -60,7 +62,9 @@ __device__ __forceinline__ void cluster_arrive() {
 __device__ __forceinline__ void cluster_wait() {
   asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
-__host__ __device__ constexpr int smem_bytes(int parts) { return kQBytes + stages_for(parts) * kStageBytes; }
+__host__ __device__ constexpr int smem_bytes(int parts) {
+  return kQBytes + stages_for(parts) * kStageBytes;
+}
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads, 3) attend_decode_kernel(AttendDecodeArgs a) {
@@ -201,7 +205,8 @@ __global__ void __launch_bounds__(kThreads, 3) attend_decode_kernel(AttendDecode
     float* dst = red + (warp * kHeads + row) * kRedStride + 2 * t4;
 #pragma unroll
     for (int dt = 0; dt < kDT; ++dt)
-      *reinterpret_cast<float2*>(dst + dt * 8) = make_float2(o[dt][2 * r] * f, o[dt][2 * r + 1] * f);
+      *reinterpret_cast<float2*>(dst + dt * 8) =
+          make_float2(o[dt][2 * r] * f, o[dt][2 * r + 1] * f);
     if (warp == 0 && t4 == 0) s_lse[row] = log2_lse(M, L);
   }
   __syncthreads();
@@ -229,7 +234,8 @@ __global__ void __launch_bounds__(kThreads, 3) attend_decode_kernel(AttendDecode
   {
     const int row = tid / 8, k = row / S, h = part + parts * (row % S);
     const float4* src =
-        reinterpret_cast<const float4*>(cluster.map_shared_rank(po, k) + h * kHeadDim) + (tid % 8) * 4;
+        reinterpret_cast<const float4*>(cluster.map_shared_rank(po, k) + h * kHeadDim) +
+        (tid % 8) * 4;
     float4 v[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i) v[i] = src[i];
