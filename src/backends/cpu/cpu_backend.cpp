@@ -62,6 +62,7 @@ constexpr int32_t kMaskedPos = std::numeric_limits<int32_t>::max();  // padded k
 constexpr int64_t kMinSplitKeys = 512;
 
 #define ATTNRT_AI __attribute__((always_inline)) inline
+#define ATTNRT_LAMBDA_AI __attribute__((always_inline))
 
 // Vectors of W floats: W = 16 (zmm) for AVX-512, 8 (ymm) for AVX2, 4 (xmm) for the SSE2 baseline.
 // Every kernel below is a template on W, always inlined into the entry points of one kernel set
@@ -354,29 +355,37 @@ ATTNRT_AI void qk_pass(const float* qT, int Mp, const float* k, int D, int npad,
 template <int W>
 constexpr bool kOnePass = W * kPassRows<W> >= kMaxRows;
 
-// sT[n][m] = sum_d k[n][d] * qT[d][m] for n < npad, the MV row vectors in passes.
-template <int W>
-ATTNRT_AI void qk_tile(int MV, const float* qT, const float* k, int D, int npad, float* sT) {
+// Runs pass.template operator()<MR>(u0, Mp) over an item's MV row vectors in passes of at most
+// kPassRows<W>: u0 the pass's first row vector, Mp the row stride. When one pass holds them all
+// (kOnePass), u0 = 0 and Mp = W * MV are constants of the instantiation.
+template <int W, class Pass>
+ATTNRT_AI void in_passes(int MV, Pass pass) {
   if constexpr (kOnePass<W>) {
-    if (MV == 1) qk_pass<W, 1>(qT, W, k, D, npad, sT);
-    if (MV == 2) qk_pass<W, 2>(qT, 2 * W, k, D, npad, sT);
-    if (MV == 3) qk_pass<W, 3>(qT, 3 * W, k, D, npad, sT);
-    if (MV == 4) qk_pass<W, 4>(qT, 4 * W, k, D, npad, sT);
+    if (MV == 1) pass.template operator()<1>(0, W);
+    if (MV == 2) pass.template operator()<2>(0, 2 * W);
+    if (MV == 3) pass.template operator()<3>(0, 3 * W);
+    if (MV == 4) pass.template operator()<4>(0, 4 * W);
     return;
   }
   const int Mp = W * MV;
   for (int u0 = 0; u0 < MV;) {
     const int mr = std::min(kPassRows<W>, MV - u0);
-    const float* q = qT + u0 * W;
-    float* s = sT + u0 * W;
-    if (mr == 1) qk_pass<W, 1>(q, Mp, k, D, npad, s);
-    if (mr == 2) qk_pass<W, 2>(q, Mp, k, D, npad, s);
+    if (mr == 1) pass.template operator()<1>(u0, Mp);
+    if (mr == 2) pass.template operator()<2>(u0, Mp);
     if constexpr (kPassRows<W> >= 3)
-      if (mr == 3) qk_pass<W, 3>(q, Mp, k, D, npad, s);
+      if (mr == 3) pass.template operator()<3>(u0, Mp);
     if constexpr (kPassRows<W> >= 4)
-      if (mr == 4) qk_pass<W, 4>(q, Mp, k, D, npad, s);
+      if (mr == 4) pass.template operator()<4>(u0, Mp);
     u0 += mr;
   }
+}
+
+// sT[n][m] = sum_d k[n][d] * qT[d][m] for n < npad, the MV row vectors in passes.
+template <int W>
+ATTNRT_AI void qk_tile(int MV, const float* qT, const float* k, int D, int npad, float* sT) {
+  in_passes<W>(MV, [&]<int MR>(int u0, int Mp) ATTNRT_LAMBDA_AI {
+    qk_pass<W, MR>(qT + u0 * W, Mp, k, D, npad, sT + u0 * W);
+  });
 }
 
 // oT[d][m] = oT[d][m] * corr[m] + sum_{n < npad} v[n][d] * pT[n][m] for DB dims at v and oT and
@@ -421,27 +430,9 @@ ATTNRT_AI void pv_pass(float* oT, int Mp, const float* v, int D, int npad, const
 template <int W>
 ATTNRT_AI void pv_tile(int MV, float* oT, const float* v, int D, int npad, const float* pT,
                        const float* corr) {
-  if constexpr (kOnePass<W>) {
-    if (MV == 1) pv_pass<W, 1>(oT, W, v, D, npad, pT, corr);
-    if (MV == 2) pv_pass<W, 2>(oT, 2 * W, v, D, npad, pT, corr);
-    if (MV == 3) pv_pass<W, 3>(oT, 3 * W, v, D, npad, pT, corr);
-    if (MV == 4) pv_pass<W, 4>(oT, 4 * W, v, D, npad, pT, corr);
-    return;
-  }
-  const int Mp = W * MV;
-  for (int u0 = 0; u0 < MV;) {
-    const int mr = std::min(kPassRows<W>, MV - u0);
-    float* o = oT + u0 * W;
-    const float* p = pT + u0 * W;
-    const float* c = corr + u0 * W;
-    if (mr == 1) pv_pass<W, 1>(o, Mp, v, D, npad, p, c);
-    if (mr == 2) pv_pass<W, 2>(o, Mp, v, D, npad, p, c);
-    if constexpr (kPassRows<W> >= 3)
-      if (mr == 3) pv_pass<W, 3>(o, Mp, v, D, npad, p, c);
-    if constexpr (kPassRows<W> >= 4)
-      if (mr == 4) pv_pass<W, 4>(o, Mp, v, D, npad, p, c);
-    u0 += mr;
-  }
+  in_passes<W>(MV, [&]<int MR>(int u0, int Mp) ATTNRT_LAMBDA_AI {
+    pv_pass<W, MR>(oT + u0 * W, Mp, v, D, npad, pT + u0 * W, corr + u0 * W);
+  });
 }
 
 struct TileState {
