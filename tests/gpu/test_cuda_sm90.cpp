@@ -227,8 +227,7 @@ TEST(CudaSm90, AttendExtendMatchesReference) {
 }
 
 // Every block scores the same (index keys all zero): the selection is decided by ties alone, so
-// it must be exactly the forced blocks and then the lowest ids, in both top-k paths (one warp up
-// to 1024 blocks, the CTA's radix select beyond).
+// it must be exactly the forced blocks and then the lowest ids, from 17 to 1563 blocks.
 TEST(CudaSm90, IndexDecodeTiesGoToLowestIds) {
   REQUIRE_HOPPER();
   Batch B = decode_batch(ATTNRT_BF16, {70000, 1024 * 128, 200000, 2100}, 91);
@@ -247,7 +246,7 @@ TEST(CudaSm90, IndexDecodeTiesGoToLowestIds) {
   }
 }
 
-// A batch of many requests (more CTAs than one wave, several CTAs per request).
+// A batch of many requests, several CTAs per request, ragged lengths.
 TEST(CudaSm90, IndexDecodeLargeBatch) {
   REQUIRE_HOPPER();
   std::mt19937 rng(7);
