@@ -5,9 +5,10 @@
 // is one page, 32 KB contiguous, so a single Hopper bulk copy (cp.async.bulk, completion counted
 // by an mbarrier) brings it into shared memory; two stages keep the next page in flight while the
 // 4 warps score the current one (8 threads per key row, 16 dims each, shuffle-reduced; the
-// block's max over keys j < kv_len). The last CTA of a request to finish (an atomic counter, reset by that CTA so a captured graph replays) loads the
-// request's block scores into shared memory and selects the top-16 there (exact radix select,
-// ties to the lowest ids, forced init/local blocks, NaN -> -1e30, ascending, -1 padded).
+// block's max over keys j < kv_len). The last CTA of a request to finish (an atomic counter, reset
+// by that CTA so a captured graph replays) loads the request's block scores into shared memory
+// and selects the top-16 there (exact radix select, ties to the lowest ids, forced init/local
+// blocks, NaN -> -1e30, ascending, -1 padded).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
