@@ -1,19 +1,22 @@
 // Fused decode indexer for the cuda_sm90 plugin (see index_decode.h).
 //
 // One launch does the whole op. Grid: ctas_per_request CTAs per request, each scoring a range of
-// blocks_per_cta blocks (the plan sizes them so the grid is one wave of resident CTAs). A block
-// is one page, 32 KB contiguous, so a single Hopper bulk copy (cp.async.bulk, completion counted
-// by an mbarrier) brings it into shared memory; two stages keep the next page in flight while the
-// 4 warps score the current one (8 threads per key row, 16 dims each, shuffle-reduced; the
-// block's max over keys j < kv_len). The last CTA of a request to finish (an atomic counter, reset
-// by that CTA so a captured graph replays) loads the request's block scores into shared memory
-// and selects the top-16 there (exact radix select, ties to the lowest ids, forced init/local
-// blocks, NaN -> -1e30, ascending, -1 padded).
+// blocks_per_cta blocks (the plan sizes them so the grid is one wave of resident CTAs; with more
+// than one CTA per request the launch is cooperative, so that holds). A block is one page, 32 KB
+// contiguous, so a single Hopper bulk copy (cp.async.bulk, completion counted by an mbarrier)
+// brings it into shared memory; two stages keep the next page in flight while the 4 warps score
+// the current one (8 threads per key row, 16 dims each, shuffle-reduced; the block's max over keys
+// j < kv_len). Top-16: the request's CTAs meet at a barrier, each ranks its own blocks against all
+// of the request's scores (ties to the lowest ids, forced init/local blocks, NaN -> -1e30) and
+// writes those of rank < 16 to their slot; the last CTA to finish puts the 16 slots in ascending
+// id order. Padding is -1. The arrival counters are back at zero after every launch (the
+// barrier's generation only moves on), so a captured graph replays.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cmath>
+#include <climits>
 #include <cstdint>
 
 #include <attnrt/plugin.h>
@@ -31,8 +34,7 @@ namespace {
 constexpr int kThreads = 128;
 constexpr int kStages = 2;
 constexpr int kPageBytes = kBlock * kDim * 2;
-static_assert(kStages * kPageBytes >= kMaxBlocks * 4, "the last CTA's scores reuse the stages");
-using TopK = attnrt_cuda_common::BlockTopK<kThreads>;
+static_assert(kStages * kPageBytes >= kMaxBlocks * 4, "a request's block keys reuse the stages");
 using attnrt_cuda_common::raise_smem_limit;
 using attnrt_cuda_common::smem_u32;
 using attnrt_cuda_common::bar_expect_tx;
@@ -47,6 +49,17 @@ __device__ __forceinline__ float2 to_float2(uint32_t x, __nv_bfloat16) {
 }
 __device__ __forceinline__ float2 to_float2(uint32_t x, __half) {
   return __half22float2(*reinterpret_cast<const __half2*>(&x));
+}
+
+__device__ __forceinline__ uint32_t ld_relaxed(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ uint32_t ld_acquire(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
 }
 
 // Dot product of 8 16-bit values with 8 floats.
@@ -68,7 +81,6 @@ __global__ void __launch_bounds__(kThreads) index_decode_kernel(IndexDecodeArgs 
   extern __shared__ __align__(128) unsigned char stages[];
   __shared__ __align__(8) uint64_t bars[kStages];
   __shared__ float red[2][kThreads / 32];
-  __shared__ typename TopK::Storage topk_storage;
   __shared__ int s_last;
 
   grid_launch_dependents();  // the attend's CTAs may start (and load q) while this one runs
@@ -146,32 +158,85 @@ __global__ void __launch_bounds__(kThreads) index_decode_kernel(IndexDecodeArgs 
     }
   }
 
-  // The last CTA of the request to finish selects its top-k.
-  if (tid == 0) {
-    __threadfence();
-    s_last = atomicAdd(&a.counters[b], 1) == a.ctas_per_request - 1;
-  }
-  __syncthreads();
-  if (!s_last) return;
-  __threadfence();
-  if (tid == 0) a.counters[b] = 0;  // ready for the next launch (graph replay)
-  const int nvis = nblk;            // decode: the query sits at kv_len - 1
+  // Selection. Every block is taken when there are at most 16: no CTA waits for another.
+  const int nvis = nblk;  // decode: the query sits at kv_len - 1
   const int keff = min(kTopK, nvis);
   int32_t* out = a.topk + static_cast<int64_t>(b) * a.t_s1;
-  for (int k = keff + tid; k < kTopK; k += kThreads) out[k * a.t_s2] = -1;
+  if (part == 0)
+    for (int k = keff + tid; k < kTopK; k += kThreads) out[k * a.t_s2] = -1;
   if (nvis <= kTopK) {
-    for (int k = tid; k < nvis; k += kThreads) out[k * a.t_s2] = k;
+    for (int c = c0 + tid; c < c1; c += kThreads) out[c * a.t_s2] = c;
     return;
   }
-  float* sc = reinterpret_cast<float*>(stages);  // every bulk copy of this CTA has completed
-  const float* src = a.scores + static_cast<int64_t>(b) * a.block_capacity;
-  for (int c = tid; c < nvis; c += kThreads) sc[c] = __ldcg(src + c);
+  // Otherwise the request's CTAs meet at a barrier (they are co-resident: a cooperative launch),
+  // each ranks its own blocks against all of the request's block scores and writes every block
+  // of rank < 16 to slot `rank`; the last CTA to finish that puts the 16 slots in id order.
+  // The serial part is a few memory round trips, not a select over every block in one CTA.
+  uint32_t* sync = a.sync + 3 * b;  // [arrivals, barrier generation, rankers done]
+  if (tid == 0) {
+    const uint32_t gen = ld_acquire(&sync[1]);  // read before arriving: the barrier's phase
+    __threadfence();                             // this CTA's scores before its arrival
+    if (atomicAdd(&sync[0], 1u) == static_cast<uint32_t>(a.ctas_per_request) - 1) {
+      sync[0] = 0;  // no CTA arrives again before the generation moves on
+      __threadfence();
+      atomicAdd(&sync[1], 1u);
+    } else {
+      // Polled gently: up to a few hundred threads of the grid spin while others still stream.
+      while (ld_relaxed(&sync[1]) == gen) __nanosleep(20);
+      __threadfence();  // acquire: the peers' scores
+    }
+  }
   __syncthreads();
+  uint32_t* keys = reinterpret_cast<uint32_t*>(stages);  // every bulk copy has completed
+  const float* src = a.scores + static_cast<int64_t>(b) * a.block_capacity;
   const int init_b = a.init_blocks, local_from = nvis - a.local_blocks;
-  auto key = [&](int c) {
-    return attnrt_cuda_common::block_score_key(sc[c], c, init_b, local_from);
-  };
-  TopK::select(topk_storage, nvis, keff, key, [&](int k, int c) { out[k * a.t_s2] = c; });
+  const int padded = (nvis + 255) & ~255;  // key 0 is below every real key: padding never ranks
+  for (int c = tid; c < padded; c += kThreads)
+    keys[c] = c < nvis ? attnrt_cuda_common::block_score_key(__ldcg(src + c), c, init_b, local_from)
+                       : 0u;
+  __syncthreads();
+  // rank(c) = how many blocks precede c in the order (key descending, then id ascending); one
+  // warp per block, 256 rivals a step (8 a lane: the step is a latency chain, so wide), stopping
+  // once 16 precede it.
+  for (int c = c0 + warp; c < c1; c += kThreads / 32) {
+    const uint32_t kc = keys[c];
+    int rank = 0;
+    for (int r0 = 0; r0 < nvis && rank < keff; r0 += 256) {
+      const int r = r0 + 4 * lane;
+      const uint4 k4[2] = {*reinterpret_cast<const uint4*>(keys + r),
+                           *reinterpret_cast<const uint4*>(keys + r + 128)};
+      int before = 0;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int rh = r + 128 * h;
+        before += (k4[h].x > kc || (k4[h].x == kc && rh < c)) +
+                  (k4[h].y > kc || (k4[h].y == kc && rh + 1 < c)) +
+                  (k4[h].z > kc || (k4[h].z == kc && rh + 2 < c)) +
+                  (k4[h].w > kc || (k4[h].w == kc && rh + 3 < c));
+      }
+      rank += static_cast<int>(__reduce_add_sync(0xffffffffu, static_cast<unsigned>(before)));
+    }
+    if (rank < keff && lane == 0) {
+      out[rank * a.t_s2] = c;
+      __threadfence();  // before this CTA counts itself done
+    }
+  }
+  __syncthreads();
+  if (tid == 0) {
+    __threadfence();
+    s_last = atomicAdd(&sync[2], 1u) == static_cast<uint32_t>(a.ctas_per_request) - 1;
+  }
+  __syncthreads();
+  if (!s_last || warp != 0) return;
+  __threadfence();
+  if (lane == 0) sync[2] = 0;  // ready for the next launch (graph replay)
+  // Slot k holds the block of rank k; its place in id order is how many selected ids are smaller.
+  const int id = lane < keff ? __ldcg(out + lane * a.t_s2) : INT_MAX;
+  int at = 0;
+#pragma unroll
+  for (int k = 0; k < kTopK; ++k) at += __shfl_sync(0xffffffffu, id, k) < id;
+  __syncwarp();
+  if (lane < keff) out[at * a.t_s2] = id;
 }
 
 template <typename T>
@@ -179,13 +244,39 @@ cudaError_t launch_t(const IndexDecodeArgs& a, cudaStream_t st) {
   const int smem = kStages * kPageBytes;
   if (cudaError_t e = raise_smem_limit<index_decode_kernel<T>>(smem); e != cudaSuccess) return e;
   const int64_t grid = static_cast<int64_t>(a.n) * a.ctas_per_request;
-  if (grid > 0) index_decode_kernel<T><<<static_cast<unsigned>(grid), kThreads, smem, st>>>(a);
-  return cudaGetLastError();
+  if (grid <= 0) return cudaSuccess;
+  // Cooperative when a request has several CTAs: the launch fails rather than leave a CTA
+  // waiting at the barrier for a peer that cannot become resident. One CTA per request waits for
+  // nobody, so a batch larger than one wave launches plainly.
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(static_cast<unsigned>(grid));
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = static_cast<size_t>(smem);
+  cfg.stream = st;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeCooperative;
+  attr[0].val.cooperative = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = a.ctas_per_request > 1 ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, index_decode_kernel<T>, a);
 }
 
 }  // namespace
 
 int index_decode_smem_bytes() { return kStages * kPageBytes; }
+
+int index_decode_resident_ctas(int sms, int* ctas) {
+  using K = __nv_bfloat16;  // both dtypes' kernels use the same resources
+  const int smem = kStages * kPageBytes;
+  if (cudaError_t e = raise_smem_limit<index_decode_kernel<K>>(smem); e != cudaSuccess) return e;
+  int per_sm = 0;
+  if (cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, index_decode_kernel<K>,
+                                                                    kThreads, smem);
+      e != cudaSuccess)
+    return e;
+  *ctas = per_sm * sms;
+  return cudaSuccess;
+}
 
 int launch_index_decode(const IndexDecodeArgs& a, int dtype, void* stream) {
   cudaStream_t st = static_cast<cudaStream_t>(stream);

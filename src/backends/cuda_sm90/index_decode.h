@@ -10,7 +10,7 @@ namespace attnrt_cuda_sm90 {
 constexpr int kBlock = 128;     // tokens per block = per page
 constexpr int kDim = 128;       // index_dim
 constexpr int kTopK = 16;
-constexpr int kMaxBlocks = 16384;  // per request (2M tokens): the last CTA's scores fit in smem
+constexpr int kMaxBlocks = 16384;  // per request (2M tokens): its block keys fit in smem
 
 // What the decode and extend indexers both read and write (filled in one place by the plugin).
 struct IndexArgsBase {
@@ -29,7 +29,7 @@ struct IndexArgsBase {
 
 // Decode: T = n, scores [n, block_capacity].
 struct IndexDecodeArgs : IndexArgsBase {
-  int32_t* counters;       // [n], zero between launches
+  uint32_t* sync;          // [n][3] barrier and completion counters, zero before the first launch
   int n, block_capacity, blocks_per_cta, ctas_per_request;
 };
 
@@ -37,5 +37,9 @@ struct IndexDecodeArgs : IndexArgsBase {
 int launch_index_decode(const IndexDecodeArgs& a, int dtype, void* stream);
 // Dynamic shared memory of one CTA (the plan checks it against the device's opt-in limit).
 int index_decode_smem_bytes();
+// How many CTAs of the kernel the device holds at once (`sms` multiprocessors): a launch with
+// several CTAs per request may have no more, since they wait for each other. Returns a
+// cudaError_t as int.
+int index_decode_resident_ctas(int sms, int* ctas);
 
 }  // namespace attnrt_cuda_sm90

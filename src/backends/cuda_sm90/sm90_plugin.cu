@@ -5,11 +5,12 @@
 // page = 128, top-16 of one index head, index_dim 128 with score max; 16 query heads on one KV
 // head, head_dim 128; bf16/f16) on compute capability 9.x. Decode, one fused launch each:
 // sparse_index_decode (index_decode.cu: bulk-copy page loads, block scores and the top-k in one
-// kernel) and sparse_attend_decode (attend_decode.cu: one CTA per selected block on tensor cores,
-// the last CTA of a request merging the splits). Extend: sparse_index_extend (index_extend.cu:
-// 128-token tiles scored on tensor cores, then a top-k kernel) and sparse_attend_extend
-// (attend_extend.cu: block-major, each selected block read once per 32 tokens). Anything
-// else its probe refuses by name, and the generic "cuda" plugin (priority 200) serves it.
+// kernel) and sparse_attend_decode (attend_decode.cu: a cluster of CTAs per request on tensor
+// cores, merging its partials in distributed shared memory). Extend: sparse_index_extend
+// (index_extend.cu: 128-token tiles scored on tensor cores, then a top-k kernel) and
+// sparse_attend_extend (attend_extend.cu: block-major, each selected block read once per 32
+// tokens). Anything else its probe refuses by name, and the generic "cuda" plugin (priority 200)
+// serves it.
 // Priority 300: tried before the generic plugin.
 //
 // Contract notes: cudart is linked statically (loads without a driver; init() then reports why);
@@ -70,7 +71,7 @@ attnrt_cuda_common::DeviceRuntime g_rt("cuda_sm90");
 int32_t check_device(attnrt_device d) { return g_rt.check(d, g_error, sizeof g_error); }
 
 // A plan: device copies of the layout (decode: with room to grow), the decode indexer's
-// per-request completion counters and score matrix or the decode attend's CTAs per request, and
+// per-request barrier counters and score matrix or the decode attend's CTAs per request, and
 // for extend the per-token request/position tables, work items and split partials.
 struct Sm90Plan {
   attnrt_problem problem{};
@@ -81,7 +82,8 @@ struct Sm90Plan {
   int attend_parts = 16;                         // decode attend: CTAs per request
   int num_items = 0;                             // extend indexer
   int32_t *d_kv_len = nullptr, *d_page_indptr = nullptr, *d_page_ids = nullptr;
-  int32_t* d_counters = nullptr;
+  int32_t* d_counters = nullptr;  // extend
+  uint32_t* d_sync = nullptr;     // decode indexer: [n][3]
   float* d_scores = nullptr;                              // indexer
   float* d_part_lse = nullptr;                            // extend attend
   int32_t *d_q_len = nullptr, *d_row_req = nullptr, *d_row_pos = nullptr;  // extend
@@ -101,7 +103,7 @@ void free_plan(Sm90Plan* p) {
                   p->d_scores,     p->d_part_lse,    p->d_q_len,         p->d_row_req,
                   p->d_row_pos,    p->d_q_indptr,    p->d_score_base,    p->d_items,
                   p->d_blk_base,   p->d_blk_req,     p->d_entry_cap,     p->d_entry_base,
-                  p->d_entries,    p->d_attend_items, p->d_part_o16};
+                  p->d_entries,    p->d_attend_items, p->d_part_o16,    p->d_sync};
   for (void* b : bufs) cudaFree(b);
   delete p;
 }
@@ -272,20 +274,24 @@ int32_t plan_impl(const attnrt_problem* p, const attnrt_layout* L, Sm90Plan* pl)
   pl->page_capacity = std::max(2 * total_pages, total_pages + 16 * n);
   if (int32_t s = check_layout(L, pl->block_capacity, pl->page_capacity); s != ATTNRT_OK) return s;
   // Work split: as many blocks per CTA as makes one wave of resident CTAs (3 per SM by shared
-  // memory) cover the batch, and at least 2 (both stages in flight).
-  const int slots = 3 * g_rt.info(p->device.index).sms;
+  // memory) cover the batch, and at least 2 (both stages in flight). The CTAs of a request wait
+  // for each other, so with more than one per request the grid must fit that wave (it does:
+  // ctas_per_request <= per_request).
+  CK(cudaSetDevice(p->device.index));
+  int slots = 0;
+  CK(static_cast<cudaError_t>(
+      attnrt_cuda_sm90::index_decode_resident_ctas(g_rt.info(p->device.index).sms, &slots)));
   const int per_request = std::max(1, slots / std::max(n, 1));
   pl->blocks_per_cta = std::max((pl->block_capacity + per_request - 1) / per_request, 2);
   pl->ctas_per_request = (pl->block_capacity + pl->blocks_per_cta - 1) / pl->blocks_per_cta;
-  CK(cudaSetDevice(p->device.index));
   if (upload(&pl->d_kv_len, L->kv_len, n, 0, g_error, sizeof g_error) ||
       upload(&pl->d_page_indptr, L->page_indptr, n + 1, 0, g_error, sizeof g_error) ||
       upload(&pl->d_page_ids, L->page_ids, total_pages, pl->page_capacity, g_error,
              sizeof g_error))
     return ATTNRT_INTERNAL;
   if (p->op == ATTNRT_OP_SPARSE_INDEX_DECODE) {
-    CK(cudaMalloc(reinterpret_cast<void**>(&pl->d_counters), sizeof(int32_t) * std::max(n, 1)));
-    CK(cudaMemset(pl->d_counters, 0, sizeof(int32_t) * std::max(n, 1)));
+    CK(cudaMalloc(reinterpret_cast<void**>(&pl->d_sync), sizeof(uint32_t) * 3 * std::max(n, 1)));
+    CK(cudaMemset(pl->d_sync, 0, sizeof(uint32_t) * 3 * std::max(n, 1)));
     CK(cudaMalloc(reinterpret_cast<void**>(&pl->d_scores),
                   sizeof(float) * std::max<size_t>(1, static_cast<size_t>(n) * pl->block_capacity)));
   } else {
@@ -368,7 +374,7 @@ int32_t run_index(const Sm90Plan& pl, const attnrt_tensors* t, void* stream) {
   }
   attnrt_cuda_sm90::IndexDecodeArgs a{};
   static_cast<attnrt_cuda_sm90::IndexArgsBase&>(a) = base;
-  a.counters = pl.d_counters;
+  a.sync = pl.d_sync;
   a.n = pl.n;
   a.block_capacity = pl.block_capacity;
   a.blocks_per_cta = pl.blocks_per_cta;
