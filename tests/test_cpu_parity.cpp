@@ -1,6 +1,7 @@
 // cpu backend vs an independent double-precision naive implementation written here (spec
 // minimax-sparse.md §3-§5), on random shapes; outputs poisoned first; repeats bit-identical.
-// Every test runs once per kernel set (AVX-512, AVX2, baseline) and skips the ones the CPU lacks.
+// Every test runs once per kernel set (AVX-512 with BF16, AVX-512, AVX2, baseline) and skips the
+// ones the CPU lacks.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -347,7 +348,8 @@ TEST_P(CpuParity, IndexTopkAsSet) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Isa, CpuParity,
-                         ::testing::Values(CpuIsa::avx512, CpuIsa::avx2, CpuIsa::baseline),
+                         ::testing::Values(CpuIsa::avx512_bf16, CpuIsa::avx512, CpuIsa::avx2,
+                                           CpuIsa::baseline),
                          [](const ::testing::TestParamInfo<CpuIsa>& i) {
                            return std::string(cpu_isa_name(i.param));
                          });

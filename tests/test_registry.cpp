@@ -432,7 +432,7 @@ TEST(Registry, CpuIsaChoice) {
   RuntimeOptions o = options_for("none");
   o.cpu_isa = "sse9";
   EXPECT_THROW(Runtime{o}, InvalidArgument);
-  for (CpuIsa isa : {CpuIsa::baseline, CpuIsa::avx2, CpuIsa::avx512}) {
+  for (CpuIsa isa : {CpuIsa::baseline, CpuIsa::avx2, CpuIsa::avx512, CpuIsa::avx512_bf16}) {
     SCOPED_TRACE(cpu_isa_name(isa));
     o.cpu_isa = cpu_isa_name(isa);
     if (!cpu_supports(isa)) {

@@ -1,7 +1,10 @@
 // `attnrt bench`: times attention ops through the public Runtime API (plan once, run
 // repeatedly, as a user's forward pass does) at the minimax-m3-tp4 shapes or custom shapes, and
 // reports each case against ceilings measured in the same run on the same threads:
-//   * fp32 FMA peak: a register-only FMA loop (AVX-512 / AVX2 / scalar, chosen at run time);
+//   * fp32 FMA peak: a register-only FMA loop (AVX-512 / AVX2 / scalar, chosen at run time), the
+//     compute ceiling of %roof;
+//   * bf16 dot peak, on CPUs with AVX512-BF16: the same loop of vdpbf16ps, the instruction the
+//     avx512bf16 kernel set multiplies bf16 q, K, V with (2x the FMA peak; shown, not in %roof);
 //   * OpenBLAS sgemm (2048^3, loaded with dlopen so the program does not depend on it; its
 //     environment variables are left as they are, only its thread count is set to ours);
 //   * streaming read: a vectorised sum over a 512 MiB buffer.
@@ -101,18 +104,25 @@ float fma_scalar(long iters, float seed) {
   return s;
 }
 
-// Returns FLOP/s over `threads` threads and the name of the variant used.
-double measure_fma_peak(int threads, std::string* isa) {
-  int lanes = 1, chains = kChainsScalar;
-  float (*kernel)(long, float) = fma_scalar;
-  *isa = "scalar";
-  // The levels the cpu backend's kernel sets use, so the ceiling is that of the code it bounds.
-  if (best_cpu_isa() == CpuIsa::avx512) {
-    kernel = fma_avx512, lanes = 16, chains = kChains512, *isa = "avx512";
-  } else if (best_cpu_isa() == CpuIsa::avx2) {
-    kernel = fma_avx2, lanes = 8, chains = kChains256, *isa = "avx2";
-  }
-  const long iters = lanes == 1 ? 2000000 : 20000000;
+// bf16 pair dot products (vdpbf16ps, 32 multiply-adds per instruction), the instruction of the
+// cpu backend's avx512bf16 kernel set, chained as the FMA probe.
+__attribute__((target("avx512f,avx512bf16"))) float dot_bf16_avx512(long iters, float seed) {
+  __m512 a[kChains512];
+  for (int i = 0; i < kChains512; ++i) a[i] = _mm512_set1_ps(seed + i);
+  const __m512bh x = _mm512_cvtne2ps_pbh(_mm512_set1_ps(1e-3f), _mm512_set1_ps(1e-3f));
+  for (long it = 0; it < iters; ++it)
+#pragma GCC unroll 16
+    for (int i = 0; i < kChains512; ++i) a[i] = _mm512_dpbf16_ps(a[i], x, x);
+  __m512 s = a[0];
+  for (int i = 1; i < kChains512; ++i) s = _mm512_add_ps(s, a[i]);
+  float out[16], sum = 0;
+  _mm512_storeu_ps(out, s);
+  for (float x : out) sum += x;
+  return sum;
+}
+
+// FLOP/s of `kernel` (flops_per_iter per iteration) on `threads` threads, best of 3.
+double measure_peak(int threads, float (*kernel)(long, float), long iters, double flops_per_iter) {
   double best = 0;
   for (int rep = 0; rep < 3; ++rep) {
     std::vector<std::thread> ts;
@@ -123,9 +133,29 @@ double measure_fma_peak(int threads, std::string* isa) {
     const double s = seconds_since(t0);
     volatile float sink = keep[0];
     (void)sink;
-    best = std::max(best, 2.0 * chains * lanes * iters * threads / s);
+    best = std::max(best, flops_per_iter * iters * threads / s);
   }
   return best;
+}
+
+// bf16 dot-product FLOP/s over `threads` threads; 0 when the CPU lacks AVX512-BF16.
+double measure_bf16_dot_peak(int threads) {
+  if (best_cpu_isa() < CpuIsa::avx512_bf16) return 0;
+  return measure_peak(threads, dot_bf16_avx512, 20000000, 2.0 * 32 * kChains512);
+}
+
+// Returns FLOP/s over `threads` threads and the name of the variant used.
+double measure_fma_peak(int threads, std::string* isa) {
+  int lanes = 1, chains = kChainsScalar;
+  float (*kernel)(long, float) = fma_scalar;
+  *isa = "scalar";
+  // The levels the cpu backend's kernel sets use, so the ceiling is that of the code it bounds.
+  if (best_cpu_isa() >= CpuIsa::avx512) {
+    kernel = fma_avx512, lanes = 16, chains = kChains512, *isa = "avx512";
+  } else if (best_cpu_isa() == CpuIsa::avx2) {
+    kernel = fma_avx2, lanes = 8, chains = kChains256, *isa = "avx2";
+  }
+  return measure_peak(threads, kernel, lanes == 1 ? 2000000 : 20000000, 2.0 * chains * lanes);
 }
 
 ATTNRT_TARGET_CLONES("arch=x86-64-v4", "arch=x86-64-v3", "default") float sum_floats(
@@ -217,6 +247,7 @@ void fill(Runtime& rt, const Device& d, Buffer& b, DType dt, int64_t n, std::mt1
 
 struct Ceilings {
   double fma = 0, sgemm = 0, stream = 0;
+  double bf16_dot = 0;  // 0: no bf16 dot products on this CPU
 };
 
 nlohmann::json run_case(Runtime& rt, const Device& dev, const CaseSpec& c, const BenchOpts& o,
@@ -476,6 +507,7 @@ void add_bench_command(CLI::App& app) {
     std::string isa, blas_note;
     if (host) {
       ceil.fma = measure_fma_peak(threads, &isa);
+      ceil.bf16_dot = measure_bf16_dot_peak(threads);
       ceil.sgemm = measure_sgemm(threads, &blas_note);
       ceil.stream = measure_stream_read(threads);
     }
@@ -484,6 +516,8 @@ void add_bench_command(CLI::App& app) {
                           {"device", dev.str()},
                           {"fma_peak_gflops", ceil.fma / 1e9},
                           {"fma_isa", isa},
+                          {"bf16_dot_peak_gflops", ceil.bf16_dot / 1e9},
+                          {"kernels", rt.describe_device(dev)},
                           {"sgemm_gflops", ceil.sgemm / 1e9},
                           {"sgemm_note", blas_note},
                           {"stream_read_gbps", ceil.stream / 1e9},
@@ -507,12 +541,13 @@ void add_bench_command(CLI::App& app) {
       std::cout << res.dump(2) << "\n";
       return;
     }
-    if (host)
-      std::printf("backend %s  threads %d  fp32 FMA peak %.1f GFLOP/s (%s)  sgemm %.1f GFLOP/s (%s)"
-                  "  stream read %.1f GB/s\n",
-                  backend.c_str(), threads, ceil.fma / 1e9, isa.c_str(), ceil.sgemm / 1e9,
+    if (host) {
+      std::printf("backend %s (%s)  threads %d  fp32 FMA peak %.1f GFLOP/s (%s)", backend.c_str(),
+                  rt.describe_device(dev).c_str(), threads, ceil.fma / 1e9, isa.c_str());
+      if (ceil.bf16_dot > 0) std::printf("  bf16 dot peak %.1f GFLOP/s", ceil.bf16_dot / 1e9);
+      std::printf("  sgemm %.1f GFLOP/s (%s)  stream read %.1f GB/s\n", ceil.sgemm / 1e9,
                   blas_note.c_str(), ceil.stream / 1e9);
-    else
+    } else
       std::printf("backend %s  device %s  (ceilings: bench/cuda_side_by_side.py measures them)\n",
                   backend.c_str(), dev.str().c_str());
     std::printf("%-24s %-5s %10s %9s %9s %8s %8s %7s\n", "case", "dtype", "median_ms", "ms/seq",

@@ -4,7 +4,8 @@
 //    set. For loops whose best code is the same source at every width. ThreadSanitizer builds
 //    get the baseline version only: their ifunc resolvers are instrumented, run before the
 //    sanitizer runtime is up, and crash at load.
-//  * CpuIsa levels with ATTNRT_TARGET_AVX512 / ATTNRT_TARGET_AVX2: for kernels written per level
+//  * CpuIsa levels with ATTNRT_TARGET_AVX512(_BF16) / ATTNRT_TARGET_AVX2: for kernels written per
+//  level
 //    (vector width, register blocking); the caller picks a level once, e.g. at init, from
 //    best_cpu_isa() or a forced choice (parse_cpu_isa, cpu_supports).
 #pragma once
@@ -19,19 +20,22 @@
 #endif
 
 #define ATTNRT_TARGET_AVX512 __attribute__((target("arch=x86-64-v4")))
+#define ATTNRT_TARGET_AVX512_BF16 __attribute__((target("arch=x86-64-v4,avx512bf16")))
 #define ATTNRT_TARGET_AVX2 __attribute__((target("arch=x86-64-v3")))
 
 namespace attnrt {
 
 // Instruction-set levels, in increasing order: the x86-64 baseline (SSE2, 16 xmm), x86-64-v3
-// (AVX2 + FMA + F16C, 16 ymm) and x86-64-v4 (AVX-512 F/BW/CD/DQ/VL, 32 zmm).
-enum class CpuIsa { baseline, avx2, avx512 };
+// (AVX2 + FMA + F16C, 16 ymm), x86-64-v4 (AVX-512 F/BW/CD/DQ/VL, 32 zmm) and x86-64-v4 with
+// AVX512-BF16 (bf16 dot products: Zen 4 and later, Cooper Lake, Sapphire Rapids and later).
+enum class CpuIsa { baseline, avx2, avx512, avx512_bf16 };
 
 // The highest level this CPU (and OS: register state saved) supports; cpuid is read once.
 inline CpuIsa best_cpu_isa() {
   static const CpuIsa best = [] {
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("x86-64-v4")) return CpuIsa::avx512;
+    if (__builtin_cpu_supports("x86-64-v4"))
+      return __builtin_cpu_supports("avx512bf16") ? CpuIsa::avx512_bf16 : CpuIsa::avx512;
     if (__builtin_cpu_supports("x86-64-v3")) return CpuIsa::avx2;
     return CpuIsa::baseline;
   }();
@@ -44,6 +48,8 @@ inline bool cpu_supports(CpuIsa isa) {
 
 inline const char* cpu_isa_name(CpuIsa isa) {
   switch (isa) {
+    case CpuIsa::avx512_bf16:
+      return "avx512bf16";
     case CpuIsa::avx512:
       return "avx512";
     case CpuIsa::avx2:
@@ -53,9 +59,9 @@ inline const char* cpu_isa_name(CpuIsa isa) {
   }
 }
 
-// "avx512", "avx2" or "baseline"; nullopt for anything else.
+// "avx512bf16", "avx512", "avx2" or "baseline"; nullopt for anything else.
 inline std::optional<CpuIsa> parse_cpu_isa(std::string_view s) {
-  for (CpuIsa isa : {CpuIsa::baseline, CpuIsa::avx2, CpuIsa::avx512})
+  for (CpuIsa isa : {CpuIsa::baseline, CpuIsa::avx2, CpuIsa::avx512, CpuIsa::avx512_bf16})
     if (s == cpu_isa_name(isa)) return isa;
   return std::nullopt;
 }

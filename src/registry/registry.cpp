@@ -46,8 +46,9 @@ int parse_threads(const std::string& s) {
 CpuIsa parse_isa(const std::string& s) {
   const std::optional<CpuIsa> isa = parse_cpu_isa(s);
   if (!isa)
-    throw InvalidArgument("ATTNRT_CPU_ISA: '" + s +
-                          "' is not a cpu kernel set (expected avx512, avx2 or baseline)");
+    throw InvalidArgument(
+        "ATTNRT_CPU_ISA: '" + s +
+        "' is not a cpu kernel set (expected avx512bf16, avx512, avx2 or baseline)");
   if (!cpu_supports(*isa))
     throw InvalidArgument("ATTNRT_CPU_ISA: this CPU lacks " + s + " (the best it supports is " +
                           cpu_isa_name(best_cpu_isa()) + ")");

@@ -18,12 +18,14 @@
 // o) to the workspace and a merge pass combines them in a fixed order. An empty split has
 // max = -inf, sum = 0, o = 0 and contributes nothing (never NaN).
 //
-// Vector code: GCC vector extensions of W floats, in three kernel sets: AVX-512 (W = 16, 32 zmm),
+// Vector code: GCC vector extensions of W floats, in four kernel sets: AVX-512 (W = 16, 32 zmm),
 // AVX2 + FMA (W = 8, 16 ymm) and the SSE2 baseline (W = 4, 16 xmm), each with the register
-// blocking of its register file. The backend takes the best set the CPU has when it is created
-// (or the one ATTNRT_CPU_ISA names), so the binary is not tied to the build machine's
-// instruction set and no call re-decides. Results of different sets may differ in the last bits
-// (different summation trees); each set is deterministic.
+// blocking of its register file, and AVX-512 with BF16, whose attention on bf16 q and K/V
+// multiplies bf16 pairs (vdpbf16ps, Bf16Dot below) straight from the cache instead of widening
+// the tiles to f32. The backend takes the best set the CPU has when it is created (or the one
+// ATTNRT_CPU_ISA names), so the binary is not tied to the build machine's instruction set and no
+// call re-decides. Results of different sets may differ in the last bits (different summation
+// trees); each set is deterministic.
 //
 // Threads: a small std::thread pool owned by the backend; scratch is per worker, taken from the
 // Runtime's workspace for the call. Determinism: every output element is computed by exactly one
@@ -295,6 +297,164 @@ ATTNRT_AI void convert_rows_impl(const void* src, DType t, int64_t stride, int r
 
 // ---- the tile kernels ------------------------------------------------------------------------
 
+// How the two products read their operands and multiply-add, by the element type of the tiles.
+// A step of the reduction covers kPair elements of the broadcast operand (K or V) and kRow
+// elements per row of the row operand (q or P). fma_at(acc, row, b) multiply-adds the operand at
+// b broadcast; bcast(b) then fma(acc, row, B) do the same with the broadcast loaded once for
+// several row vectors: a broadcast load per multiply-add would bound the loops by the load
+// ports (about 1.3 broadcasts per cycle on Zen 5, against 2 multiply-adds).
+//  F32Dot: f32 tiles; a step is one element (vector x broadcast scalar, FMA).
+//  Bf16Dot: bf16 tiles; a step is two adjacent elements, multiplied and both products added
+//   into an f32 lane by one vdpbf16ps (AVX512-BF16: 2x the f32 FMA rate). The reduced dimension
+//   is stored in pairs: q as [D/2][rows][2], K as [keys][D] (D even), V as [keys/2][D][2].
+//   Products of bf16 values are exact in f32: the scores are those of F32Dot up to the
+//   summation order.
+//  Bf16SplitDot: P for Bf16Dot's V, as P = hi + lo with hi = bf16(P), lo = bf16(P - hi)
+//   ([keys/2][row vector][hi, lo][W][2]), two vdpbf16ps per step. P rounded to bf16 alone
+//   (GPU flash kernels do that) is off by up to 2^-9 relative, which moves a bf16 output across
+//   a rounding boundary often enough to show; hi + lo is within 2^-17.
+// The bf16 instructions are written as inline assembly: these templates carry no target
+// attribute (the entry points of a kernel set do), and GCC refuses to inline a target intrinsic
+// into a function without that target.
+struct F32Dot {
+  using T = float;
+  static constexpr int kPair = 1, kRow = 1;
+  template <int W>
+  static ATTNRT_AI vf<W> row(const float* p) {
+    return loadv<W>(p);
+  }
+  // vector * scalar, not ::bcast(): GCC then folds the broadcast into the FMA's memory operand
+  // (vfmadd231ps m32{1to16} on AVX-512), where ::bcast() costs an add and a shuffle per FMA.
+  template <int W>
+  static ATTNRT_AI vf<W> fma_at(vf<W> acc, vf<W> a, const float* b) {
+    return acc + a * *b;
+  }
+  template <int W>
+  static ATTNRT_AI float bcast(const float* b) {
+    return *b;
+  }
+  template <int W>
+  static ATTNRT_AI vf<W> fma(vf<W> acc, vf<W> a, float b) {
+    return acc + a * b;
+  }
+};
+
+struct Bf16Dot {
+  using T = uint16_t;
+  static constexpr int kPair = 2, kRow = 2;
+  typedef uint32_t u32_alias __attribute__((may_alias));
+  typedef uint16_t u16x32 __attribute__((vector_size(64)));
+  template <int W>
+  static ATTNRT_AI vf<W> row(const uint16_t* p) {
+    vf<W> v;
+    std::memcpy(&v, p, sizeof v);
+    return v;
+  }
+  // acc[m] += a[2m] * b[0] + a[2m+1] * b[1], the bf16 pair at b broadcast from memory.
+  template <int W>
+  static ATTNRT_AI vf<W> fma_at(vf<W> acc, vf<W> a, const uint16_t* b) {
+    static_assert(W == 16, "vdpbf16ps on zmm only");
+    __asm__("vdpbf16ps %2%{1to16%}, %1, %0"
+            : "+v"(acc)
+            : "v"(a), "m"(*reinterpret_cast<const u32_alias*>(b)));
+    return acc;
+  }
+  // The bf16 pair at b in every 32-bit lane.
+  template <int W>
+  static ATTNRT_AI vf<W> bcast(const uint16_t* b) {
+    static_assert(W == 16, "vpbroadcastd to zmm only");
+    vf<W> r;
+    __asm__("vpbroadcastd %1, %0" : "=v"(r) : "m"(*reinterpret_cast<const u32_alias*>(b)));
+    return r;
+  }
+  // acc[m] += a[2m] * b[2m] + a[2m+1] * b[2m+1].
+  template <int W>
+  static ATTNRT_AI vf<W> fma(vf<W> acc, vf<W> a, vf<W> b) {
+    __asm__("vdpbf16ps %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+    return acc;
+  }
+  // bf16(a) in the low 16 u16 lanes, bf16(b) in the high 16, rounded to nearest even.
+  static ATTNRT_AI u16x32 to_bf16(vf<16> a, vf<16> b) {
+    vf<16> r;
+    __asm__("vcvtne2ps2bf16 %2, %1, %0" : "=v"(r) : "v"(b), "v"(a));
+    u16x32 h;
+    std::memcpy(&h, &r, sizeof h);
+    return h;
+  }
+  // dst[2m] = h[m], dst[2m+1] = h[16 + m].
+  static ATTNRT_AI void store_interleaved(u16x32 h, uint16_t* dst) {
+    const u16x32 o =
+        __builtin_shufflevector(h, h, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23, 8, 24,
+                                9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+    std::memcpy(dst, &o, sizeof o);
+  }
+  // v2[n/2][d][2] = (v[n][d], v[n+1][d]) for the npad (even) rows v[n] of D elements.
+  static ATTNRT_AI void pair_rows(const uint16_t* const* v, int npad, int D, uint16_t* v2) {
+    for (int n = 0; n < npad; n += 2) {
+      const uint16_t* a = v[n];
+      const uint16_t* b = v[n + 1];
+      uint16_t* o = v2 + static_cast<int64_t>(n) * D;
+      int x = 0;
+      for (; x + 32 <= D; x += 32) {
+        u16x32 va, vb;
+        std::memcpy(&va, a + x, sizeof va);
+        std::memcpy(&vb, b + x, sizeof vb);
+        const u16x32 lo =
+            __builtin_shufflevector(va, vb, 0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                    8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47);
+        const u16x32 hi = __builtin_shufflevector(va, vb, 16, 48, 17, 49, 18, 50, 19, 51, 20, 52,
+                                                  21, 53, 22, 54, 23, 55, 24, 56, 25, 57, 26, 58,
+                                                  27, 59, 28, 60, 29, 61, 30, 62, 31, 63);
+        std::memcpy(o + 2 * x, &lo, sizeof lo);
+        std::memcpy(o + 2 * x + 32, &hi, sizeof hi);
+      }
+      for (; x < D; ++x) {
+        o[2 * x] = a[x];
+        o[2 * x + 1] = b[x];
+      }
+    }
+  }
+};
+
+struct Bf16SplitDot : Bf16Dot {
+  static constexpr int kRow = 4;
+  struct Row {
+    vf<16> hi, lo;
+  };
+  template <int W>
+  static ATTNRT_AI Row row(const uint16_t* p) {
+    return {Bf16Dot::row<W>(p), Bf16Dot::row<W>(p + 2 * W)};
+  }
+  template <int W>
+  static ATTNRT_AI vf<W> fma(vf<W> acc, const Row& a, vf<W> b) {
+    return Bf16Dot::fma<W>(Bf16Dot::fma<W>(acc, a.hi, b), a.lo, b);
+  }
+  template <int W>
+  static ATTNRT_AI vf<W> fma_at(vf<W> acc, const Row& a, const uint16_t* b) {
+    return fma<W>(acc, a, bcast<W>(b));
+  }
+  // The row operand of a step from the probabilities of its two keys: hi pairs at dst, lo pairs
+  // at dst + 32.
+  static ATTNRT_AI void pack_pair(vf<16> a, vf<16> b, uint16_t* dst) {
+    typedef uint16_t u16x16 __attribute__((vector_size(32)));
+    typedef uint32_t u32x16 __attribute__((vector_size(64)));
+    const u16x32 hi = to_bf16(a, b);
+    // hi widened back to f32: the 16 bits of a bf16 are the high half of its f32.
+    auto widen = [](u16x16 h) {
+      const u32x16 w = __builtin_convertvector(h, u32x16) << 16;
+      vf<16> f;
+      std::memcpy(&f, &w, sizeof f);
+      return f;
+    };
+    const vf<16> ha = widen(
+        __builtin_shufflevector(hi, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+    const vf<16> hb = widen(__builtin_shufflevector(hi, hi, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25,
+                                                    26, 27, 28, 29, 30, 31));
+    store_interleaved(hi, dst);
+    store_interleaved(to_bf16(a - ha, b - hb), dst + 32);
+  }
+};
+
 // Register blocking of the two products. A pass over the keys (or dims) holds MR row vectors x
 // KB keys (or dims) of accumulators, the MR row operands and a broadcast:
 //  W = 16, 32 zmm: one pass over all MV <= 4 row vectors, KB = 16, 8, 4, 4 (12-16 accumulators);
@@ -309,43 +469,53 @@ constexpr int pass_keys(int W, int MR) {
 template <int W, int MR>
 constexpr int kPassKeys = pass_keys(W, MR);
 
-// sT[n][m] = sum_d k[n][d] * qT[d][m] for KB keys at k and MR row vectors at qT (row stride Mp).
-template <int W, int MR, int KB>
-ATTNRT_AI void qk_block(const float* qT, int Mp, const float* k, int D, float* sT) {
+// sT[n][m] = sum_s Dot(k[n][s], qT[s][m]) for KB keys at k (row stride Dk elements) and MR row
+// vectors at qT (row stride Mp rows), over `steps` steps of the reduction.
+template <int W, class Dot, int MR, int KB>
+ATTNRT_AI void qk_block(const typename Dot::T* qT, int Mp, const typename Dot::T* k, int Dk,
+                        int steps, float* sT) {
+  constexpr int P = Dot::kPair;
   vf<W> acc[KB][MR];
   for (int i = 0; i < KB; ++i)
     for (int v = 0; v < MR; ++v) acc[i][v] = vf<W>{};
-  for (int d = 0; d < D; ++d) {
+  for (int d = 0; d < steps; ++d) {
     vf<W> q[MR];
-    for (int v = 0; v < MR; ++v) q[v] = loadv<W>(qT + d * Mp + v * W);
-    // vector * scalar, not bcast(): GCC then folds the broadcast into the FMA's memory
-    // operand (vfmadd231ps m32{1to16} on AVX-512), where bcast() costs an add and a shuffle
-    // per FMA.
-    for (int i = 0; i < KB; ++i)
-      for (int v = 0; v < MR; ++v) acc[i][v] += q[v] * k[i * D + d];
+    for (int v = 0; v < MR; ++v) q[v] = Dot::template row<W>(qT + (d * Mp + v * W) * Dot::kRow);
+#pragma GCC unroll 16
+    for (int i = 0; i < KB; ++i) {
+      const typename Dot::T* ki = k + i * Dk + d * P;
+      if constexpr (MR == 1) {
+        acc[i][0] = Dot::template fma_at<W>(acc[i][0], q[0], ki);
+      } else {
+        const auto b = Dot::template bcast<W>(ki);
+#pragma GCC unroll 4
+        for (int v = 0; v < MR; ++v) acc[i][v] = Dot::template fma<W>(acc[i][v], q[v], b);
+      }
+    }
   }
   for (int i = 0; i < KB; ++i)
     for (int v = 0; v < MR; ++v) storev(sT + i * Mp + v * W, acc[i][v]);
 }
 
 // Keys n0, n0 + KB, ... while a whole block fits before npad; returns where it stopped.
-template <int W, int MR, int KB>
-ATTNRT_AI int qk_blocks(const float* qT, int Mp, const float* k, int D, int n0, int npad,
-                        float* sT) {
+template <int W, class Dot, int MR, int KB>
+ATTNRT_AI int qk_blocks(const typename Dot::T* qT, int Mp, const typename Dot::T* k, int Dk,
+                        int steps, int n0, int npad, float* sT) {
   for (; n0 + KB <= npad; n0 += KB)
-    qk_block<W, MR, KB>(qT, Mp, k + static_cast<int64_t>(n0) * D, D, sT + n0 * Mp);
+    qk_block<W, Dot, MR, KB>(qT, Mp, k + static_cast<int64_t>(n0) * Dk, Dk, steps, sT + n0 * Mp);
   return n0;
 }
 
 // One pass of MR row vectors over the npad keys (a multiple of 16); a remainder KB does not
 // divide goes in blocks of 4, 2 and 1.
-template <int W, int MR>
-ATTNRT_AI void qk_pass(const float* qT, int Mp, const float* k, int D, int npad, float* sT) {
+template <int W, class Dot, int MR>
+ATTNRT_AI void qk_pass(const typename Dot::T* qT, int Mp, const typename Dot::T* k, int Dk,
+                       int steps, int npad, float* sT) {
   constexpr int KB = kPassKeys<W, MR>;
-  int n0 = qk_blocks<W, MR, KB>(qT, Mp, k, D, 0, npad, sT);
-  if constexpr (KB > 4) n0 = qk_blocks<W, MR, 4>(qT, Mp, k, D, n0, npad, sT);
-  if constexpr (KB > 2) n0 = qk_blocks<W, MR, 2>(qT, Mp, k, D, n0, npad, sT);
-  if constexpr (KB > 1) qk_blocks<W, MR, 1>(qT, Mp, k, D, n0, npad, sT);
+  int n0 = qk_blocks<W, Dot, MR, KB>(qT, Mp, k, Dk, steps, 0, npad, sT);
+  if constexpr (KB > 4) n0 = qk_blocks<W, Dot, MR, 4>(qT, Mp, k, Dk, steps, n0, npad, sT);
+  if constexpr (KB > 2) n0 = qk_blocks<W, Dot, MR, 2>(qT, Mp, k, Dk, steps, n0, npad, sT);
+  if constexpr (KB > 1) qk_blocks<W, Dot, MR, 1>(qT, Mp, k, Dk, steps, n0, npad, sT);
 }
 
 // Whether one pass holds every row vector an item can have (AVX-512: 4 x 16 = kMaxRows). Then the
@@ -380,79 +550,129 @@ ATTNRT_AI void in_passes(int MV, Pass pass) {
   }
 }
 
-// sT[n][m] = sum_d k[n][d] * qT[d][m] for n < npad, the MV row vectors in passes.
-template <int W>
-ATTNRT_AI void qk_tile(int MV, const float* qT, const float* k, int D, int npad, float* sT) {
+// sT[n][m] = sum_s Dot(k[n][s], qT[s][m]) for n < npad, the MV row vectors in passes.
+template <int W, class Dot>
+ATTNRT_AI void qk_tile(int MV, const typename Dot::T* qT, const typename Dot::T* k, int Dk,
+                       int steps, int npad, float* sT) {
   in_passes<W>(MV, [&]<int MR>(int u0, int Mp) ATTNRT_LAMBDA_AI {
-    qk_pass<W, MR>(qT + u0 * W, Mp, k, D, npad, sT + u0 * W);
+    qk_pass<W, Dot, MR>(qT + u0 * W * Dot::kRow, Mp, k, Dk, steps, npad, sT + u0 * W);
   });
 }
 
-// oT[d][m] = oT[d][m] * corr[m] + sum_{n < npad} v[n][d] * pT[n][m] for DB dims at v and oT and
-// MR row vectors at oT, pT and corr (row stride Mp).
-template <int W, int MR, int DB>
-ATTNRT_AI void pv_block(float* oT, int Mp, const float* v, int D, int npad, const float* pT,
-                        const float* corr) {
+// oT[d][m] = oT[d][m] * corr[m] + sum_s Dot(v[s][d], pT[s][m]) over `steps` steps of the keys, for
+// DB dims at v and oT and MR row vectors at oT, pT and corr (row stride Mp). v: a step's row of
+// D dims (of kPair elements each) every D * kPair elements.
+template <int W, class Dot, int MR, int DB>
+ATTNRT_AI void pv_block(float* oT, int Mp, const typename Dot::T* v, int D, int steps,
+                        const typename Dot::T* pT, const float* corr) {
+  constexpr int P = Dot::kPair;
   vf<W> acc[DB][MR];
   for (int i = 0; i < DB; ++i)
     for (int u = 0; u < MR; ++u) acc[i][u] = loadv<W>(oT + i * Mp + u * W) * loadv<W>(corr + u * W);
-  for (int n = 0; n < npad; ++n) {
-    vf<W> p[MR];
-    for (int u = 0; u < MR; ++u) p[u] = loadv<W>(pT + n * Mp + u * W);
-    const float* vr = v + static_cast<int64_t>(n) * D;
-    for (int i = 0; i < DB; ++i)
-      for (int u = 0; u < MR; ++u) acc[i][u] += p[u] * vr[i];  // (broadcast folded, as in qk_block)
+  for (int n = 0; n < steps; ++n) {
+    decltype(Dot::template row<W>(pT)) p[MR];
+    for (int u = 0; u < MR; ++u) p[u] = Dot::template row<W>(pT + (n * Mp + u * W) * Dot::kRow);
+    const typename Dot::T* vr = v + static_cast<int64_t>(n) * D * P;
+#pragma GCC unroll 16
+    for (int i = 0; i < DB; ++i) {
+      if constexpr (MR == 1) {
+        acc[i][0] = Dot::template fma_at<W>(acc[i][0], p[0], vr + i * P);
+      } else {
+        const auto b = Dot::template bcast<W>(vr + i * P);
+#pragma GCC unroll 4
+        for (int u = 0; u < MR; ++u) acc[i][u] = Dot::template fma<W>(acc[i][u], p[u], b);
+      }
+    }
   }
   for (int i = 0; i < DB; ++i)
     for (int u = 0; u < MR; ++u) storev(oT + i * Mp + u * W, acc[i][u]);
 }
 
-template <int W, int MR, int DB>
-ATTNRT_AI int pv_blocks(float* oT, int Mp, const float* v, int D, int d0, int npad, const float* pT,
-                        const float* corr) {
-  for (; d0 + DB <= D; d0 += DB) pv_block<W, MR, DB>(oT + d0 * Mp, Mp, v + d0, D, npad, pT, corr);
+template <int W, class Dot, int MR, int DB>
+ATTNRT_AI int pv_blocks(float* oT, int Mp, const typename Dot::T* v, int D, int Dn, int d0,
+                        int steps, const typename Dot::T* pT, const float* corr) {
+  for (; d0 + DB <= Dn; d0 += DB)
+    pv_block<W, Dot, MR, DB>(oT + d0 * Mp, Mp, v + d0 * Dot::kPair, D, steps, pT, corr);
   return d0;
 }
 
-// One pass of MR row vectors over the D dims; a remainder DB does not divide goes in blocks of
-// 4, 2 and 1.
-template <int W, int MR>
-ATTNRT_AI void pv_pass(float* oT, int Mp, const float* v, int D, int npad, const float* pT,
-                       const float* corr) {
+// One pass of MR row vectors over the first Dn of the D dims of v's rows; a remainder DB does
+// not divide goes in blocks of 4, 2 and 1.
+template <int W, class Dot, int MR>
+ATTNRT_AI void pv_pass(float* oT, int Mp, const typename Dot::T* v, int D, int Dn, int steps,
+                       const typename Dot::T* pT, const float* corr) {
   constexpr int DB = kPassKeys<W, MR>;
-  int d0 = pv_blocks<W, MR, DB>(oT, Mp, v, D, 0, npad, pT, corr);
-  if constexpr (DB > 4) d0 = pv_blocks<W, MR, 4>(oT, Mp, v, D, d0, npad, pT, corr);
-  if constexpr (DB > 2) d0 = pv_blocks<W, MR, 2>(oT, Mp, v, D, d0, npad, pT, corr);
-  if constexpr (DB > 1) pv_blocks<W, MR, 1>(oT, Mp, v, D, d0, npad, pT, corr);
+  int d0 = pv_blocks<W, Dot, MR, DB>(oT, Mp, v, D, Dn, 0, steps, pT, corr);
+  if constexpr (DB > 4) d0 = pv_blocks<W, Dot, MR, 4>(oT, Mp, v, D, Dn, d0, steps, pT, corr);
+  if constexpr (DB > 2) d0 = pv_blocks<W, Dot, MR, 2>(oT, Mp, v, D, Dn, d0, steps, pT, corr);
+  if constexpr (DB > 1) pv_blocks<W, Dot, MR, 1>(oT, Mp, v, D, Dn, d0, steps, pT, corr);
 }
 
-// oT = oT * corr + v^T pT over the MV row vectors, in passes.
-template <int W>
-ATTNRT_AI void pv_tile(int MV, float* oT, const float* v, int D, int npad, const float* pT,
-                       const float* corr) {
+// oT = oT * corr + v^T pT over the MV row vectors, in passes, for the first Dn of the D dims.
+template <int W, class Dot>
+ATTNRT_AI void pv_tile(int MV, float* oT, const typename Dot::T* v, int D, int Dn, int steps,
+                       const typename Dot::T* pT, const float* corr) {
   in_passes<W>(MV, [&]<int MR>(int u0, int Mp) ATTNRT_LAMBDA_AI {
-    pv_pass<W, MR>(oT + u0 * W, Mp, v, D, npad, pT + u0 * W, corr + u0 * W);
+    pv_pass<W, Dot, MR>(oT + u0 * W, Mp, v, D, Dn, steps, pT + u0 * W * Dot::kRow, corr + u0 * W);
   });
 }
 
 struct TileState {
-  float* qT;            // [D][Mp], pre-scaled by sm_scale * log2(e)
+  const void* qT;       // [D][Mp] f32, pre-scaled by sm_scale * log2(e); Bf16Dot: [D/2][Mp][2]
   float* oT;            // [D][Mp], unnormalised output
   float* m;             // [Mp] running max (log2 units)
   float* l;             // [Mp] running sum
   const int32_t* rowpos;  // [Mp] absolute position of each row (causal bound)
   int D;
+  // Bf16Dot only: the factor that takes a score to log2 units (sm_scale * log2(e)), and scratch
+  // for V in pairs ([kKeyTile][D] bf16) and P as Bf16SplitDot's hi, lo pairs ([kKeyTile][Mp][2]).
+  float scale = 1.f;
+  uint16_t* v2 = nullptr;
+  uint16_t* p2 = nullptr;
 };
 
-// One flash step of an attention item of MV row vectors over a tile of npad keys (k, v:
-// [npad][D] f32; jpos[n]: absolute key position, kMaskedPos for padding).
-template <int W>
-ATTNRT_AI void attend_tile_impl(int MV, const TileState& s, const float* k, const float* v,
-                                const int32_t* jpos, int npad, float* sT) {
-  const int Mp = W * MV, D = s.D;
-  qk_tile<W>(MV, s.qT, k, D, npad, sT);
+// The cache lines of a tile, to be prefetched a share at a time between the parts of another
+// tile's work: one burst of every line would stall the core while the line-fill buffers drain,
+// so the DRAM reads would add to the compute instead of overlapping it.
+struct TilePrefetch {
+  std::array<const char*, 2 * kKeyTile> rows;
+  int nrows = 0;
+  int row_lines = 0;                                              // 64-byte lines per row
+  int row = 0, line = 0;                                          // the next line to issue
+  int lines() const { return (nrows - row) * row_lines - line; }  // still to issue
+  ATTNRT_AI void issue(int n) {
+    for (; n > 0 && row < nrows; --n) {
+      __builtin_prefetch(rows[row] + line * 64);
+      if (++line == row_lines) {
+        line = 0;
+        ++row;
+      }
+    }
+  }
+};
+
+// A tile of a bf16 cache read where it lies (the Bf16Dot attend tile, head_dim even): K as page
+// runs of consecutive rows, V row by row; padding keys point at a zero row.
+struct CacheTile {
+  struct Run {
+    const uint16_t* k;  // first row
+    int64_t stride;     // elements between rows
+    int n0, len;        // tile keys n0 .. n0+len-1
+  };
+  std::array<Run, kKeyTile> runs;
+  int nruns = 0;
+  std::array<const uint16_t*, kKeyTile> v;
+};
+
+// The online-softmax step of a tile between the two products: masks sT (npad keys) by jpos,
+// updates the running max and sum, writes corr[m] = exp2(m_old - m_new) and the probabilities,
+// over sT (F32Dot) or in pairs to s.p2 (Bf16SplitDot, whose raw scores are first scaled).
+template <int W, class Dot>
+ATTNRT_AI void softmax_tile(int MV, const TileState& s, const int32_t* jpos, int npad, float* sT,
+                            float* corr) {
+  constexpr bool kPairs = Dot::kPair == 2;
+  const int Mp = W * MV;
   const vf<W> ninf = bcast<W>(kNegInf);
-  alignas(64) float corr[kMaxRows];
   // Row vector by row vector: the running state of one vector stays in registers.
   for (int u = 0; u < MV; ++u) {
     float* su = sT + u * W;
@@ -461,6 +681,7 @@ ATTNRT_AI void attend_tile_impl(int MV, const TileState& s, const float* k, cons
     vf<W> tmax = ninf;
     for (int n = 0; n < npad; ++n) {
       vf<W> x = loadv<W>(su + n * Mp);
+      if constexpr (kPairs) x *= s.scale;
       x = bcasti<W>(jpos[n]) > rp ? ninf : x;
       storev(su + n * Mp, x);
       tmax = vmax(tmax, x);
@@ -471,15 +692,65 @@ ATTNRT_AI void attend_tile_impl(int MV, const TileState& s, const float* k, cons
     const vf<W> c = exp2v(mold - shift);
     storev(s.m + u * W, mnew);
     vf<W> lsum{};
-    for (int n = 0; n < npad; ++n) {
-      const vf<W> p = exp2v(loadv<W>(su + n * Mp) - shift);
-      storev(su + n * Mp, p);
-      lsum += p;
+    if constexpr (kPairs) {
+      for (int n = 0; n < npad; n += 2) {
+        const vf<W> p0 = exp2v(loadv<W>(su + n * Mp) - shift);
+        const vf<W> p1 = exp2v(loadv<W>(su + (n + 1) * Mp) - shift);
+        Dot::pack_pair(p0, p1, s.p2 + (n / 2 * Mp + u * W) * Dot::kRow);
+        lsum += p0;
+        lsum += p1;
+      }
+    } else {
+      for (int n = 0; n < npad; ++n) {
+        const vf<W> p = exp2v(loadv<W>(su + n * Mp) - shift);
+        storev(su + n * Mp, p);
+        lsum += p;
+      }
     }
     storev(s.l + u * W, loadv<W>(s.l + u * W) * c + lsum);
     storev(corr + u * W, c);
   }
-  pv_tile<W>(MV, s.oT, v, D, npad, sT, corr);
+}
+
+// One flash step of an attention item of MV row vectors over a tile of npad keys (k, v:
+// [npad][D] f32; jpos[n]: absolute key position, kMaskedPos for padding).
+template <int W>
+ATTNRT_AI void attend_tile_impl(int MV, const TileState& s, const float* k, const float* v,
+                                const int32_t* jpos, int npad, float* sT) {
+  const int D = s.D;
+  qk_tile<W, F32Dot>(MV, static_cast<const float*>(s.qT), k, D, D, npad, sT);
+  alignas(64) float corr[kMaxRows];
+  softmax_tile<W, F32Dot>(MV, s, jpos, npad, sT, corr);
+  pv_tile<W, F32Dot>(MV, s.oT, v, D, D, npad, sT, corr);
+}
+
+// The same step with bf16 dot products, K and V read from the cache in place (t). The products
+// run in slices of 16 keys and 16 dims, and a share of the next tile's lines (pf) is prefetched
+// before each slice.
+template <int W>
+ATTNRT_AI void attend_tile_bf16_impl(int MV, const TileState& s, const CacheTile& t,
+                                     const int32_t* jpos, int npad, float* sT, TilePrefetch& pf) {
+  constexpr int kSlice = 16;
+  const int D = s.D, Mp = W * MV;
+  const int share = pf.lines() / ((npad + D) / kSlice + 1) + 1;
+  const uint16_t* qT = static_cast<const uint16_t*>(s.qT);
+  for (int r = 0; r < t.nruns; ++r) {
+    const CacheTile::Run& run = t.runs[r];
+    for (int o = 0; o < run.len; o += kSlice) {
+      pf.issue(share);
+      qk_tile<W, Bf16Dot>(MV, qT, run.k + o * run.stride, static_cast<int>(run.stride), D / 2,
+                          std::min(kSlice, run.len - o), sT + (run.n0 + o) * Mp);
+    }
+  }
+  alignas(64) float corr[kMaxRows];
+  softmax_tile<W, Bf16SplitDot>(MV, s, jpos, npad, sT, corr);
+  Bf16Dot::pair_rows(t.v.data(), npad, D, s.v2);
+  for (int d0 = 0; d0 < D; d0 += kSlice) {
+    pf.issue(share);
+    pv_tile<W, Bf16SplitDot>(MV, s.oT + d0 * Mp, s.v2 + d0 * 2, D, std::min(kSlice, D - d0),
+                             npad / 2, s.p2, corr);
+  }
+  pf.issue(pf.lines());
 }
 
 // The single-row form of qk_tile (one query row: the decode indexer with one index head, where
@@ -509,7 +780,7 @@ ATTNRT_AI void index_tile_impl(int MV, const float* qT, const float* qrow, int D
   if (MV == 1 && qrow != nullptr)
     qk_row<W>(qrow, k, D, npad, sT);
   else
-    qk_tile<W>(MV, qT, k, D, npad, sT);
+    qk_tile<W, F32Dot>(MV, qT, k, D, D, npad, sT);
   const vf<W> ninf = bcast<W>(kNegInf);
   for (int u = 0; u < MV; ++u) {
     vi<W> rp;
@@ -561,6 +832,10 @@ struct KernelSet {
   void (*index_row_scores)(const float* q, int D, const TensorView& kc, const int32_t* pages,
                            int page_size, int64_t nkeys, int B, bool lse, float* bm, float* bsum,
                            int bstride);
+  // attend_tile with bf16 dot products over a bf16 cache tile read in place (TileState's pair
+  // fields set); nullptr in the sets without AVX512-BF16, which serve bf16 through f32 tiles.
+  void (*attend_tile_bf16)(int MV, const TileState& s, const CacheTile& t, const int32_t* jpos,
+                           int npad, float* sT, TilePrefetch& pf);
 };
 
 // ---- plan --------------------------------------------------------------------------------------
@@ -609,44 +884,56 @@ struct KeyCursor {
   int nseg;
   int si = 0;
   int64_t j = 0;
-  KeyCursor(const std::pair<int64_t, int64_t>* s, int n) : seg(s), nseg(n) {
+  KeyCursor(const std::pair<int64_t, int64_t>* s, int n) : seg(s), nseg(n) { skip_empty(); }
+  bool done() const { return si >= nseg; }
+  // Moves to the start of the first non-empty segment from si on.
+  void skip_empty() {
     while (si < nseg && seg[si].first >= seg[si].second) ++si;
     if (si < nseg) j = seg[si].first;
   }
-  bool done() const { return si >= nseg; }
 };
 
-// Fills up to kKeyTile keys: K (and V when vt) rows as f32, jpos; pads to a multiple of 16 with
-// zero rows at kMaskedPos. Returns the number of valid keys; *npad gets the padded count.
-int fill_tile(const KernelSet& ks, KeyCursor& cur, const TensorView& kc, const TensorView* vc,
-              DType dt, const BatchLayout& L, int b, int g, int D, float* kt, float* vt,
-              int32_t* jpos, int* npad) {
+// Walks the page runs of the next tile (up to kKeyTile keys) from cur and advances it: calls
+// run(n0, j, page, in_page, len) for tile keys n0 .. n0+len-1 at positions j .. j+len-1, rows
+// in_page .. in_page+len-1 of physical page `page`. Returns the number of keys.
+template <class Run>
+int walk_tile(KeyCursor& cur, const BatchLayout& L, int b, Run run) {
   int n = 0;
   const int P = L.page_size;
   const int32_t* pages = L.page_ids.data() + L.page_indptr[b];
   while (n < kKeyTile && !cur.done()) {
     const int64_t end = cur.seg[cur.si].second;
     const int64_t in_page = cur.j % P;
-    const int run = static_cast<int>(
-        std::min<int64_t>({end - cur.j, kKeyTile - n, P - in_page}));
-    const int64_t page = pages[cur.j / P];
-    const int64_t koff = page * kc.strides[0] + in_page * kc.strides[1] + g * kc.strides[2];
-    ks.convert_rows(elem_ptr(kc, koff), dt, kc.strides[1], run, D, kt + static_cast<int64_t>(n) * D,
-                    D);
-    if (vt) {
-      const int64_t voff = page * vc->strides[0] + in_page * vc->strides[1] + g * vc->strides[2];
-      ks.convert_rows(elem_ptr(*vc, voff), dt, vc->strides[1], run, D,
-                      vt + static_cast<int64_t>(n) * D, D);
-    }
-    for (int i = 0; i < run; ++i) jpos[n + i] = static_cast<int32_t>(cur.j + i);
-    n += run;
-    cur.j += run;
+    const int len = static_cast<int>(std::min<int64_t>({end - cur.j, kKeyTile - n, P - in_page}));
+    run(n, cur.j, static_cast<int64_t>(pages[cur.j / P]), in_page, len);
+    n += len;
+    cur.j += len;
     if (cur.j >= end) {
       ++cur.si;
-      while (cur.si < cur.nseg && cur.seg[cur.si].first >= cur.seg[cur.si].second) ++cur.si;
-      if (cur.si < cur.nseg) cur.j = cur.seg[cur.si].first;
+      cur.skip_empty();
     }
   }
+  return n;
+}
+
+// Row `in_page` of page `page`, KV head g, of a cache view.
+inline const char* cache_row(const TensorView& c, int64_t page, int64_t in_page, int g) {
+  return elem_ptr(c, page * c.strides[0] + in_page * c.strides[1] + g * c.strides[2]);
+}
+
+// Fills up to kKeyTile keys: K (and V when vt) rows as f32, jpos; pads to a multiple of 16 with
+// zero rows at kMaskedPos. Returns the number of valid keys; *npad gets the padded count.
+int fill_tile(const KernelSet& ks, KeyCursor& cur, const TensorView& kc, const TensorView* vc,
+              DType dt, const BatchLayout& L, int b, int g, int D, float* kt, float* vt,
+              int32_t* jpos, int* npad) {
+  const int n =
+      walk_tile(cur, L, b, [&](int n0, int64_t j, int64_t page, int64_t in_page, int len) {
+        const int64_t at = static_cast<int64_t>(n0) * D;
+        ks.convert_rows(cache_row(kc, page, in_page, g), dt, kc.strides[1], len, D, kt + at, D);
+        if (vt)
+          ks.convert_rows(cache_row(*vc, page, in_page, g), dt, vc->strides[1], len, D, vt + at, D);
+        for (int i = 0; i < len; ++i) jpos[n0 + i] = static_cast<int32_t>(j + i);
+      });
   const int np = (n + 15) / 16 * 16;
   for (int i = n; i < np; ++i) {
     jpos[i] = kMaskedPos;
@@ -657,36 +944,47 @@ int fill_tile(const KernelSet& ks, KeyCursor& cur, const TensorView& kc, const T
   return n;
 }
 
-// Prefetches the cache rows of the next tile `cur` would produce (a copy of the cursor), so
-// that DRAM reads overlap the current tile's compute; pages are scattered, so the hardware
-// prefetcher restarts at every page.
-void prefetch_tile(KeyCursor cur, const TensorView& kc, const TensorView* vc, const BatchLayout& L,
-                   int b, int g, int D) {
-  int n = 0;
-  const int P = L.page_size;
-  const int32_t* pages = L.page_ids.data() + L.page_indptr[b];
-  const int64_t row_bytes = static_cast<int64_t>(D) * dtype_size(kc.dtype);
-  while (n < kKeyTile && !cur.done()) {
-    const int64_t end = cur.seg[cur.si].second;
-    const int64_t in_page = cur.j % P;
-    const int run = static_cast<int>(std::min<int64_t>({end - cur.j, kKeyTile - n, P - in_page}));
-    const int64_t page = pages[cur.j / P];
+// The next tile read in place from a bf16 cache (the Bf16Dot attend tile): K's page runs, V's
+// rows, jpos; padded to a multiple of 16 keys with zero V rows at kMaskedPos (their K scores are
+// not computed; the mask discards them). Returns the padded count.
+int cache_tile(KeyCursor& cur, const TensorView& kc, const TensorView& vc, const BatchLayout& L,
+               int b, int g, CacheTile& ct, int32_t* jpos) {
+  static const uint16_t kZeroRow[kMaxDim] = {};
+  ct.nruns = 0;
+  const int n =
+      walk_tile(cur, L, b, [&](int n0, int64_t j, int64_t page, int64_t in_page, int len) {
+        ct.runs[ct.nruns++] = {reinterpret_cast<const uint16_t*>(cache_row(kc, page, in_page, g)),
+                               kc.strides[1], n0, len};
+        const auto* v0 = reinterpret_cast<const uint16_t*>(cache_row(vc, page, in_page, g));
+        for (int i = 0; i < len; ++i) {
+          ct.v[n0 + i] = v0 + i * vc.strides[1];
+          jpos[n0 + i] = static_cast<int32_t>(j + i);
+        }
+      });
+  const int np = (n + 15) / 16 * 16;
+  for (int i = n; i < np; ++i) {
+    jpos[i] = kMaskedPos;
+    ct.v[i] = kZeroRow;
+  }
+  return np;
+}
+
+// The cache rows (K, and V when vc) of the next tile `cur` would produce (a copy of the cursor),
+// for prefetching, so that DRAM reads overlap the current tile's compute; pages are scattered,
+// so the hardware prefetcher restarts at every page.
+TilePrefetch next_tile_rows(KeyCursor cur, const TensorView& kc, const TensorView* vc,
+                            const BatchLayout& L, int b, int g, int D) {
+  TilePrefetch pf;
+  pf.row_lines = static_cast<int>((static_cast<int64_t>(D) * dtype_size(kc.dtype) + 63) / 64);
+  walk_tile(cur, L, b, [&](int, int64_t, int64_t page, int64_t in_page, int len) {
     for (const TensorView* c : {&kc, vc}) {
       if (!c) continue;
-      const int64_t off = page * c->strides[0] + in_page * c->strides[1] + g * c->strides[2];
-      const char* base = elem_ptr(*c, off);
+      const char* base = cache_row(*c, page, in_page, g);
       const int64_t stride = c->strides[1] * static_cast<int64_t>(dtype_size(c->dtype));
-      for (int i = 0; i < run; ++i)
-        for (int64_t x = 0; x < row_bytes; x += 64) __builtin_prefetch(base + i * stride + x);
+      for (int i = 0; i < len; ++i) pf.rows[pf.nrows++] = base + i * stride;
     }
-    n += run;
-    cur.j += run;
-    if (cur.j >= end) {
-      ++cur.si;
-      while (cur.si < cur.nseg && cur.seg[cur.si].first >= cur.seg[cur.si].second) ++cur.si;
-      if (cur.si < cur.nseg) cur.j = cur.seg[cur.si].first;
-    }
-  }
+  });
+  return pf;
 }
 
 // Keys the decode indexer prefetches ahead: 4-8 KB, about a DRAM latency at one thread's
@@ -789,15 +1087,30 @@ ATTNRT_AI void index_row_scores_impl(const float* q, int D, const TensorView& kc
                               NAME##_convert_rows,                                               \
                               NAME##_attend_tile,                                                \
                               NAME##_index_tile,                                                 \
-                              NAME##_index_row_scores};
+                              NAME##_index_row_scores,                                           \
+                              nullptr};
 
 ATTNRT_KERNEL_SET(kAvx512Kernels, CpuIsa::avx512, 16, ATTNRT_TARGET_AVX512)
 ATTNRT_KERNEL_SET(kAvx2Kernels, CpuIsa::avx2, 8, ATTNRT_TARGET_AVX2)
 ATTNRT_KERNEL_SET(kBaselineKernels, CpuIsa::baseline, 4, )
 #undef ATTNRT_KERNEL_SET
 
+// The AVX-512 set plus the bf16 dot-product tile for attention with bf16 q and K/V.
+ATTNRT_TARGET_AVX512_BF16 void kAvx512Bf16_attend_tile_bf16(int MV, const TileState& s,
+                                                            const CacheTile& t, const int32_t* jpos,
+                                                            int npad, float* sT, TilePrefetch& pf) {
+  attend_tile_bf16_impl<16>(MV, s, t, jpos, npad, sT, pf);
+}
+constexpr KernelSet kAvx512Bf16Kernels = {
+    CpuIsa::avx512_bf16,         16,
+    kAvx512Kernels.convert_rows, kAvx512Kernels.attend_tile,
+    kAvx512Kernels.index_tile,   kAvx512Kernels.index_row_scores,
+    kAvx512Bf16_attend_tile_bf16};
+
 const KernelSet& kernels_for(CpuIsa isa) {
   switch (isa) {
+    case CpuIsa::avx512_bf16:
+      return kAvx512Bf16Kernels;
     case CpuIsa::avx512:
       return kAvx512Kernels;
     case CpuIsa::avx2:
@@ -921,11 +1234,12 @@ class CpuBackend final : public Backend {
           if (ns > 1) pl.merges.push_back({b, g, r, first, ns});
         }
     }
-    pl.scratch_floats = 2 * static_cast<size_t>(D) * Mp      // qT, oT
+    pl.scratch_floats = 2 * static_cast<size_t>(D) * Mp          // qT, oT
                         + 2 * static_cast<size_t>(kKeyTile) * D  // K, V tiles
                         + static_cast<size_t>(kKeyTile) * Mp     // sT
                         + 4 * static_cast<size_t>(Mp)            // m, l, rowpos, spare
-                        + kKeyTile + 64;                         // jpos
+                        + kKeyTile + 64                          // jpos
+                        + static_cast<size_t>(kKeyTile) * Mp;    // P as bf16 hi, lo pairs
   }
 
   void plan_index(const Problem& p, const BatchLayout& L, CpuPlan& pl) const {
@@ -1026,6 +1340,13 @@ class CpuBackend final : public Backend {
     float* l = m + Mp;
     int32_t* rowpos = reinterpret_cast<int32_t*>(l + Mp);
     int32_t* jpos = rowpos + Mp;
+    // bf16 q and K/V, even head_dim, on a set with bf16 dot products: K and V are read from the
+    // cache as they are (Bf16Dot); q and V in pairs take the places of qT and vt.
+    const bool pairs =
+        ks_.attend_tile_bf16 && p.q_dtype == DType::bf16 && p.kv_dtype == DType::bf16 && D % 2 == 0;
+    uint16_t* q2 = reinterpret_cast<uint16_t*>(qT);
+    uint16_t* v2 = reinterpret_cast<uint16_t*>(vt);
+    uint16_t* p2 = reinterpret_cast<uint16_t*>(jpos + kKeyTile + 64);
 
     const int64_t first_pos = L.kv_len[b] - L.q_len[b] + (row0 - L.q_indptr[b]);
     const float qscale = p.effective_sm_scale() * kLog2e;
@@ -1040,7 +1361,13 @@ class CpuBackend final : public Backend {
     for (int r = 0; r < M; ++r) {
       const int tok = r / G, h = r % G;
       const int64_t off = (row0 + tok) * t.q.strides[0] + (g * G + h) * t.q.strides[1];
-      for (int x = 0; x < D; ++x) qT[x * Mp + r] = load_as_f32(t.q.data, p.q_dtype, off + x) * qscale;
+      if (pairs) {  // q as it is (the scale goes to the scores): q2[x / 2][r][x % 2]
+        const uint16_t* qr = static_cast<const uint16_t*>(t.q.data) + off;
+        for (int x = 0; x < D; ++x) q2[(x / 2 * Mp + r) * 2 + x % 2] = qr[x];
+      } else {
+        for (int x = 0; x < D; ++x)
+          qT[x * Mp + r] = load_as_f32(t.q.data, p.q_dtype, off + x) * qscale;
+      }
     }
     const int64_t last = std::min<int64_t>(first_pos + nrows - 1, L.kv_len[b] - 1);
 
@@ -1079,10 +1406,22 @@ class CpuBackend final : public Backend {
 
     TileState st{qT, oT, m, l, rowpos, D};
     KeyCursor cur(segs.data(), static_cast<int>(segs.size()));
+    if (pairs) {
+      st.scale = qscale;
+      st.v2 = v2;
+      st.p2 = p2;
+      CacheTile ct;
+      while (!cur.done()) {
+        const int npad = cache_tile(cur, t.k_cache, t.v_cache, L, b, g, ct, jpos);
+        TilePrefetch pf = next_tile_rows(cur, t.k_cache, &t.v_cache, L, b, g, D);
+        ks_.attend_tile_bf16(MV, st, ct, jpos, npad, sT, pf);
+      }
+    }
     while (!cur.done()) {
       int npad = 0;
       fill_tile(ks_, cur, t.k_cache, &t.v_cache, p.kv_dtype, L, b, g, D, kt, vt, jpos, &npad);
-      prefetch_tile(cur, t.k_cache, &t.v_cache, L, b, g, D);
+      TilePrefetch pf = next_tile_rows(cur, t.k_cache, &t.v_cache, L, b, g, D);
+      pf.issue(pf.lines());
       ks_.attend_tile(MV, st, kt, vt, jpos, npad, sT);
     }
     if (it.partial >= 0) {
@@ -1194,7 +1533,8 @@ class CpuBackend final : public Backend {
         int npad = 0;
         const int n = fill_tile(ks_, cur, t.index_k_cache, nullptr, p.kv_dtype, L, b, 0, Di, kt,
                                 nullptr, jpos, &npad);
-        prefetch_tile(cur, t.index_k_cache, nullptr, L, b, 0, Di);
+        TilePrefetch pf = next_tile_rows(cur, t.index_k_cache, nullptr, L, b, 0, Di);
+        pf.issue(pf.lines());
         ks_.index_tile(MV, qT, qrow, Di, rowpos, kt, jpos, npad, n, sT, B, lse, bm, bsum);
       }
     }
