@@ -712,42 +712,60 @@ ATTNRT_AI void softmax_tile(int MV, const TileState& s, const int32_t* jpos, int
   }
 }
 
+// Items of one row vector (decode), whose tiles are short on compute for their bytes, run the
+// products of a tile in slices of keys (QK) and dims (PV) of 16 (W = 16) or 24 (a multiple of
+// every pass's block), and prefetch a share of the next tile's lines (pf) before each; larger
+// items run them whole (slices would cut the passes' blocks) and prefetch the next tile first.
+struct Slices {
+  int keys, dims, share;
+  Slices(int W, int MV, const TilePrefetch& pf, int npad, int D)
+      : keys(MV == 1 ? (W == 16 ? 16 : 24) : npad),
+        dims(MV == 1 ? keys : D),
+        share(MV == 1 ? pf.lines() / ((npad + D) / keys + 1) + 1 : pf.lines()) {}
+};
+
 // One flash step of an attention item of MV row vectors over a tile of npad keys (k, v:
 // [npad][D] f32; jpos[n]: absolute key position, kMaskedPos for padding).
 template <int W>
 ATTNRT_AI void attend_tile_impl(int MV, const TileState& s, const float* k, const float* v,
-                                const int32_t* jpos, int npad, float* sT) {
-  const int D = s.D;
-  qk_tile<W, F32Dot>(MV, static_cast<const float*>(s.qT), k, D, D, npad, sT);
+                                const int32_t* jpos, int npad, float* sT, TilePrefetch& pf) {
+  const int D = s.D, Mp = W * MV;
+  const Slices sl(W, MV, pf, npad, D);
+  for (int n0 = 0; n0 < npad; n0 += sl.keys) {
+    pf.issue(sl.share);
+    qk_tile<W, F32Dot>(MV, static_cast<const float*>(s.qT), k + static_cast<int64_t>(n0) * D, D, D,
+                       std::min(sl.keys, npad - n0), sT + n0 * Mp);
+  }
   alignas(64) float corr[kMaxRows];
   softmax_tile<W, F32Dot>(MV, s, jpos, npad, sT, corr);
-  pv_tile<W, F32Dot>(MV, s.oT, v, D, D, npad, sT, corr);
+  for (int d0 = 0; d0 < D; d0 += sl.dims) {
+    pf.issue(sl.share);
+    pv_tile<W, F32Dot>(MV, s.oT + d0 * Mp, v + d0, D, std::min(sl.dims, D - d0), npad, sT, corr);
+  }
+  pf.issue(pf.lines());
 }
 
-// The same step with bf16 dot products, K and V read from the cache in place (t). The products
-// run in slices of 16 keys and 16 dims, and a share of the next tile's lines (pf) is prefetched
-// before each slice.
+// The same step with bf16 dot products, K and V read from the cache in place (t).
 template <int W>
 ATTNRT_AI void attend_tile_bf16_impl(int MV, const TileState& s, const CacheTile& t,
                                      const int32_t* jpos, int npad, float* sT, TilePrefetch& pf) {
-  constexpr int kSlice = 16;
   const int D = s.D, Mp = W * MV;
-  const int share = pf.lines() / ((npad + D) / kSlice + 1) + 1;
+  const Slices sl(W, MV, pf, npad, D);
   const uint16_t* qT = static_cast<const uint16_t*>(s.qT);
   for (int r = 0; r < t.nruns; ++r) {
     const CacheTile::Run& run = t.runs[r];
-    for (int o = 0; o < run.len; o += kSlice) {
-      pf.issue(share);
+    for (int o = 0; o < run.len; o += sl.keys) {
+      pf.issue(sl.share);
       qk_tile<W, Bf16Dot>(MV, qT, run.k + o * run.stride, static_cast<int>(run.stride), D / 2,
-                          std::min(kSlice, run.len - o), sT + (run.n0 + o) * Mp);
+                          std::min(sl.keys, run.len - o), sT + (run.n0 + o) * Mp);
     }
   }
   alignas(64) float corr[kMaxRows];
   softmax_tile<W, Bf16SplitDot>(MV, s, jpos, npad, sT, corr);
   Bf16Dot::pair_rows(t.v.data(), npad, D, s.v2);
-  for (int d0 = 0; d0 < D; d0 += kSlice) {
-    pf.issue(share);
-    pv_tile<W, Bf16SplitDot>(MV, s.oT + d0 * Mp, s.v2 + d0 * 2, D, std::min(kSlice, D - d0),
+  for (int d0 = 0; d0 < D; d0 += sl.dims) {
+    pf.issue(sl.share);
+    pv_tile<W, Bf16SplitDot>(MV, s.oT + d0 * Mp, s.v2 + d0 * 2, D, std::min(sl.dims, D - d0),
                              npad / 2, s.p2, corr);
   }
   pf.issue(pf.lines());
@@ -825,7 +843,7 @@ struct KernelSet {
   void (*convert_rows)(const void* src, DType t, int64_t stride, int rows, int D, float* dst,
                        int dst_stride);
   void (*attend_tile)(int MV, const TileState& s, const float* k, const float* v,
-                      const int32_t* jpos, int npad, float* sT);
+                      const int32_t* jpos, int npad, float* sT, TilePrefetch& pf);
   void (*index_tile)(int MV, const float* qT, const float* qrow, int D, const int32_t* rowpos,
                      const float* k, const int32_t* jpos, int npad, int nvalid, float* sT, int B,
                      bool lse, float* bm, float* bsum);
@@ -1068,8 +1086,8 @@ ATTNRT_AI void index_row_scores_impl(const float* q, int D, const TensorView& kc
     convert_rows_impl<W>(src, t, stride, rows, D, dst, dst_stride);                              \
   }                                                                                              \
   TARGET void NAME##_attend_tile(int MV, const TileState& s, const float* k, const float* v,     \
-                                 const int32_t* jpos, int npad, float* sT) {                     \
-    attend_tile_impl<W>(MV, s, k, v, jpos, npad, sT);                                            \
+                                 const int32_t* jpos, int npad, float* sT, TilePrefetch& pf) {   \
+    attend_tile_impl<W>(MV, s, k, v, jpos, npad, sT, pf);                                        \
   }                                                                                              \
   TARGET void NAME##_index_tile(int MV, const float* qT, const float* qrow, int D,               \
                                 const int32_t* rowpos, const float* k, const int32_t* jpos,      \
@@ -1421,8 +1439,7 @@ class CpuBackend final : public Backend {
       int npad = 0;
       fill_tile(ks_, cur, t.k_cache, &t.v_cache, p.kv_dtype, L, b, g, D, kt, vt, jpos, &npad);
       TilePrefetch pf = next_tile_rows(cur, t.k_cache, &t.v_cache, L, b, g, D);
-      pf.issue(pf.lines());
-      ks_.attend_tile(MV, st, kt, vt, jpos, npad, sT);
+      ks_.attend_tile(MV, st, kt, vt, jpos, npad, sT, pf);
     }
     if (it.partial >= 0) {
       float* slot = partials + round16(cp.partial_floats) * it.partial;
