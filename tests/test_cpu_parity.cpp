@@ -114,7 +114,7 @@ class CpuParity : public ::testing::TestWithParam<CpuIsa> {
   void SetUp() override {
     if (!cpu_supports(GetParam()))
       GTEST_SKIP() << "this CPU lacks " << cpu_isa_name(GetParam()) << " (it has "
-                   << cpu_isa_name(best_cpu_isa()) << ")";
+                   << cpu_isa_name(supported_cpu_isa()) << ")";
     be_ = make_cpu_backend(2, GetParam());
   }
   std::unique_ptr<Backend> be_;

@@ -4,7 +4,8 @@
 //   * fp32 FMA peak: a register-only FMA loop (AVX-512 / AVX2 / scalar, chosen at run time), the
 //     compute ceiling of %roof;
 //   * bf16 dot peak, on CPUs with AVX512-BF16: the same loop of vdpbf16ps, the instruction the
-//     avx512bf16 kernel set multiplies bf16 q, K, V with (2x the FMA peak; shown, not in %roof);
+//     avx512bf16 kernel set multiplies bf16 q, K, V with (2x the FMA peak on Zen 5, half of it
+//     on Sapphire Rapids; shown, not in %roof);
 //   * OpenBLAS sgemm (2048^3, loaded with dlopen so the program does not depend on it; its
 //     environment variables are left as they are, only its thread count is set to ours);
 //   * streaming read: a vectorised sum over a 512 MiB buffer.
@@ -140,7 +141,7 @@ double measure_peak(int threads, float (*kernel)(long, float), long iters, doubl
 
 // bf16 dot-product FLOP/s over `threads` threads; 0 when the CPU lacks AVX512-BF16.
 double measure_bf16_dot_peak(int threads) {
-  if (best_cpu_isa() < CpuIsa::avx512_bf16) return 0;
+  if (!cpu_supports(CpuIsa::avx512_bf16)) return 0;
   return measure_peak(threads, dot_bf16_avx512, 20000000, 2.0 * 32 * kChains512);
 }
 

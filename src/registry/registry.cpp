@@ -51,7 +51,7 @@ CpuIsa parse_isa(const std::string& s) {
         "' is not a cpu kernel set (expected avx512bf16, avx512, avx2 or baseline)");
   if (!cpu_supports(*isa))
     throw InvalidArgument("ATTNRT_CPU_ISA: this CPU lacks " + s + " (the best it supports is " +
-                          cpu_isa_name(best_cpu_isa()) + ")");
+                          cpu_isa_name(supported_cpu_isa()) + ")");
   return *isa;
 }
 

@@ -1589,7 +1589,7 @@ class CpuBackend final : public Backend {
 std::unique_ptr<Backend> make_cpu_backend(int num_threads, CpuIsa isa) {
   if (!cpu_supports(isa))
     throw InvalidArgument(std::string("cpu backend: this CPU lacks the ") + cpu_isa_name(isa) +
-                          " instruction set (it has " + cpu_isa_name(best_cpu_isa()) + ")");
+                          " instruction set (it has " + cpu_isa_name(supported_cpu_isa()) + ")");
   return std::make_unique<CpuBackend>(num_threads, isa);
 }
 
