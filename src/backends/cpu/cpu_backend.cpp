@@ -666,26 +666,33 @@ struct CacheTile {
 
 // The online-softmax step of a tile between the two products: masks sT (npad keys) by jpos,
 // updates the running max and sum, writes corr[m] = exp2(m_old - m_new) and the probabilities,
-// over sT (F32Dot) or in pairs to s.p2 (Bf16SplitDot, whose raw scores are first scaled).
+// over sT (F32Dot) or in pairs to s.p2 (Bf16SplitDot, whose raw scores are scaled here: the max
+// of the raw scores times the scale (> 0) is the max of the scaled ones).
 template <int W, class Dot>
 ATTNRT_AI void softmax_tile(int MV, const TileState& s, const int32_t* jpos, int npad, float* sT,
                             float* corr) {
   constexpr bool kPairs = Dot::kPair == 2;
   const int Mp = W * MV;
   const vf<W> ninf = bcast<W>(kNegInf);
+  // Keys ascend in a tile and padding is last: no key is masked for any row when the last one
+  // is visible to the first row (decode, every tile but a request's last).
+  const bool masked = jpos[npad - 1] > s.rowpos[0];
   // Row vector by row vector: the running state of one vector stays in registers.
   for (int u = 0; u < MV; ++u) {
     float* su = sT + u * W;
     vi<W> rp;
     std::memcpy(&rp, s.rowpos + u * W, sizeof rp);
     vf<W> tmax = ninf;
-    for (int n = 0; n < npad; ++n) {
-      vf<W> x = loadv<W>(su + n * Mp);
-      if constexpr (kPairs) x *= s.scale;
-      x = bcasti<W>(jpos[n]) > rp ? ninf : x;
-      storev(su + n * Mp, x);
-      tmax = vmax(tmax, x);
+    if (masked) {
+      for (int n = 0; n < npad; ++n) {
+        const vf<W> x = bcasti<W>(jpos[n]) > rp ? ninf : loadv<W>(su + n * Mp);
+        storev(su + n * Mp, x);
+        tmax = vmax(tmax, x);
+      }
+    } else {
+      for (int n = 0; n < npad; ++n) tmax = vmax(tmax, loadv<W>(su + n * Mp));
     }
+    if constexpr (kPairs) tmax *= s.scale;
     const vf<W> mold = loadv<W>(s.m + u * W);
     const vf<W> mnew = vmax(mold, tmax);
     const vf<W> shift = mnew == ninf ? vf<W>{} : mnew;
@@ -694,8 +701,8 @@ ATTNRT_AI void softmax_tile(int MV, const TileState& s, const int32_t* jpos, int
     vf<W> lsum{};
     if constexpr (kPairs) {
       for (int n = 0; n < npad; n += 2) {
-        const vf<W> p0 = exp2v(loadv<W>(su + n * Mp) - shift);
-        const vf<W> p1 = exp2v(loadv<W>(su + (n + 1) * Mp) - shift);
+        const vf<W> p0 = exp2v(loadv<W>(su + n * Mp) * s.scale - shift);
+        const vf<W> p1 = exp2v(loadv<W>(su + (n + 1) * Mp) * s.scale - shift);
         Dot::pack_pair(p0, p1, s.p2 + (n / 2 * Mp + u * W) * Dot::kRow);
         lsum += p0;
         lsum += p1;
