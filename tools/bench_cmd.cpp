@@ -65,6 +65,16 @@ double seconds_since(Clock::time_point t0) {
 // 12 chains + 2 constants; AVX-512 has 32.
 constexpr int kChains512 = 16, kChains256 = 12, kChainsScalar = 16;
 
+// The sum of every lane of the AVX-512 probes' chains (kept, so the loops are not dead code).
+__attribute__((target("avx512f"))) float sum_chains512(const __m512* a) {
+  __m512 s = a[0];
+  for (int i = 1; i < kChains512; ++i) s = _mm512_add_ps(s, a[i]);
+  float out[16], sum = 0;
+  _mm512_storeu_ps(out, s);
+  for (float x : out) sum += x;
+  return sum;
+}
+
 __attribute__((target("avx512f"))) float fma_avx512(long iters, float seed) {
   __m512 a[kChains512];
   for (int i = 0; i < kChains512; ++i) a[i] = _mm512_set1_ps(seed + i);
@@ -72,12 +82,7 @@ __attribute__((target("avx512f"))) float fma_avx512(long iters, float seed) {
   for (long it = 0; it < iters; ++it)
 #pragma GCC unroll 16
     for (int i = 0; i < kChains512; ++i) a[i] = _mm512_fmadd_ps(a[i], m, c);
-  __m512 s = a[0];
-  for (int i = 1; i < kChains512; ++i) s = _mm512_add_ps(s, a[i]);
-  float out[16], sum = 0;
-  _mm512_storeu_ps(out, s);
-  for (float x : out) sum += x;
-  return sum;
+  return sum_chains512(a);
 }
 
 __attribute__((target("avx2,fma"))) float fma_avx2(long iters, float seed) {
@@ -114,12 +119,7 @@ __attribute__((target("avx512f,avx512bf16"))) float dot_bf16_avx512(long iters, 
   for (long it = 0; it < iters; ++it)
 #pragma GCC unroll 16
     for (int i = 0; i < kChains512; ++i) a[i] = _mm512_dpbf16_ps(a[i], x, x);
-  __m512 s = a[0];
-  for (int i = 1; i < kChains512; ++i) s = _mm512_add_ps(s, a[i]);
-  float out[16], sum = 0;
-  _mm512_storeu_ps(out, s);
-  for (float x : out) sum += x;
-  return sum;
+  return sum_chains512(a);
 }
 
 // FLOP/s of `kernel` (flops_per_iter per iteration) on `threads` threads, best of 3.
