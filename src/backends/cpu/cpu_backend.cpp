@@ -305,8 +305,9 @@ ATTNRT_AI void convert_rows_impl(const void* src, DType t, int64_t stride, int r
 // ports (about 1.3 broadcasts per cycle on Zen 5, against 2 multiply-adds).
 //  F32Dot: f32 tiles; a step is one element (vector x broadcast scalar, FMA).
 //  Bf16Dot: bf16 tiles; a step is two adjacent elements, multiplied and both products added
-//   into an f32 lane by one vdpbf16ps (AVX512-BF16: 2x the f32 FMA rate). The reduced dimension
-//   is stored in pairs: q as [D/2][rows][2], K as [keys][D] (D even), V as [keys/2][D][2].
+//   into an f32 lane by one vdpbf16ps (AVX512-BF16; 2x the f32 FMA rate on Zen 5). The reduced
+//   dimension is stored in pairs: q as [D/2][rows][2], K as [keys][D] (D even), V as
+//   [keys/2][D][2].
 //   Products of bf16 values are exact in f32: the scores are those of F32Dot up to the
 //   summation order.
 //  Bf16SplitDot: P for Bf16Dot's V, as P = hi + lo with hi = bf16(P), lo = bf16(P - hi)
@@ -469,6 +470,19 @@ constexpr int pass_keys(int W, int MR) {
 template <int W, int MR>
 constexpr int kPassKeys = pass_keys(W, MR);
 
+// acc[v] += Dot(rows[v], the operand at b broadcast) for MR row vectors: one row vector takes the
+// broadcast from memory inside the multiply-add, several share one broadcast load.
+template <int W, class Dot, int MR, class Row>
+ATTNRT_AI void fma_rows(vf<W>* acc, const Row* rows, const typename Dot::T* b) {
+  if constexpr (MR == 1) {
+    acc[0] = Dot::template fma_at<W>(acc[0], rows[0], b);
+  } else {
+    const auto bb = Dot::template bcast<W>(b);
+#pragma GCC unroll 4
+    for (int v = 0; v < MR; ++v) acc[v] = Dot::template fma<W>(acc[v], rows[v], bb);
+  }
+}
+
 // sT[n][m] = sum_s Dot(k[n][s], qT[s][m]) for KB keys at k (row stride Dk elements) and MR row
 // vectors at qT (row stride Mp rows), over `steps` steps of the reduction.
 template <int W, class Dot, int MR, int KB>
@@ -482,16 +496,7 @@ ATTNRT_AI void qk_block(const typename Dot::T* qT, int Mp, const typename Dot::T
     vf<W> q[MR];
     for (int v = 0; v < MR; ++v) q[v] = Dot::template row<W>(qT + (d * Mp + v * W) * Dot::kRow);
 #pragma GCC unroll 16
-    for (int i = 0; i < KB; ++i) {
-      const typename Dot::T* ki = k + i * Dk + d * P;
-      if constexpr (MR == 1) {
-        acc[i][0] = Dot::template fma_at<W>(acc[i][0], q[0], ki);
-      } else {
-        const auto b = Dot::template bcast<W>(ki);
-#pragma GCC unroll 4
-        for (int v = 0; v < MR; ++v) acc[i][v] = Dot::template fma<W>(acc[i][v], q[v], b);
-      }
-    }
+    for (int i = 0; i < KB; ++i) fma_rows<W, Dot, MR>(acc[i], q, k + i * Dk + d * P);
   }
   for (int i = 0; i < KB; ++i)
     for (int v = 0; v < MR; ++v) storev(sT + i * Mp + v * W, acc[i][v]);
@@ -574,15 +579,7 @@ ATTNRT_AI void pv_block(float* oT, int Mp, const typename Dot::T* v, int D, int 
     for (int u = 0; u < MR; ++u) p[u] = Dot::template row<W>(pT + (n * Mp + u * W) * Dot::kRow);
     const typename Dot::T* vr = v + static_cast<int64_t>(n) * D * P;
 #pragma GCC unroll 16
-    for (int i = 0; i < DB; ++i) {
-      if constexpr (MR == 1) {
-        acc[i][0] = Dot::template fma_at<W>(acc[i][0], p[0], vr + i * P);
-      } else {
-        const auto b = Dot::template bcast<W>(vr + i * P);
-#pragma GCC unroll 4
-        for (int u = 0; u < MR; ++u) acc[i][u] = Dot::template fma<W>(acc[i][u], p[u], b);
-      }
-    }
+    for (int i = 0; i < DB; ++i) fma_rows<W, Dot, MR>(acc[i], p, vr + i * P);
   }
   for (int i = 0; i < DB; ++i)
     for (int u = 0; u < MR; ++u) storev(oT + i * Mp + u * W, acc[i][u]);
