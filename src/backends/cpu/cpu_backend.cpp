@@ -649,7 +649,8 @@ struct TilePrefetch {
 };
 
 // A tile of a bf16 cache read where it lies (the Bf16Dot attend tile, head_dim even): K as page
-// runs of consecutive rows, V row by row; padding keys point at a zero row.
+// runs of consecutive rows (tile keys 0 .. n-1, in order), V row by row; padding keys point at a
+// zero row.
 struct CacheTile {
   struct Run {
     const uint16_t* k;  // first row
@@ -764,6 +765,9 @@ ATTNRT_AI void attend_tile_bf16_impl(int MV, const TileState& s, const CacheTile
                           std::min(sl.keys, run.len - o), sT + (run.n0 + o) * Mp);
     }
   }
+  // Padding keys have no K row: zero scores (the mask discards them), not stale scratch.
+  const int nvalid = t.nruns > 0 ? t.runs[t.nruns - 1].n0 + t.runs[t.nruns - 1].len : 0;
+  std::fill(sT + nvalid * Mp, sT + npad * Mp, 0.f);
   alignas(64) float corr[kMaxRows];
   softmax_tile<W, Bf16SplitDot>(MV, s, jpos, npad, sT, corr);
   Bf16Dot::pair_rows(t.v.data(), npad, D, s.v2);
