@@ -5,6 +5,7 @@
 // Timings: `attnrt bench --device cuda:0` (bench/cuda_side_by_side.py).
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -73,6 +74,24 @@ Inputs make_inputs(const Case& c, uint32_t seed) {
   for (auto& x : in.q) x = enc(nd(rng));
   for (auto& x : in.kc) x = enc(nd(rng));
   for (auto& x : in.vc) x = enc(nd(rng));
+  // Cache slots past each request's last key hold NaN: a kernel must neither read them into a
+  // result nor let a zero weight meet them (0 * NaN is NaN).
+  const size_t row_elems = static_cast<size_t>(c.hkv) * c.d;
+  std::vector<bool> used(in.num_pages, false);
+  for (size_t b = 0; b < c.kv_len.size(); ++b) {
+    for (int32_t pg : in.pages[b]) used[pg] = true;
+    if (in.pages[b].empty()) continue;
+    const int kv = c.kv_len[b];
+    const int64_t last = in.pages[b].back();
+    for (int r = kv - (static_cast<int>(in.pages[b].size()) - 1) * c.page; r < c.page; ++r)
+      for (size_t e = 0; e < row_elems; ++e) in.kc[(last * c.page + r) * row_elems + e] =
+          in.vc[(last * c.page + r) * row_elems + e] = 0x7fc1;
+  }
+  for (int pg = 0; pg < in.num_pages; ++pg)
+    if (!used[pg])
+      for (auto* pool : {&in.kc, &in.vc})
+        std::fill(pool->begin() + pg * c.page * row_elems,
+                  pool->begin() + (pg + 1) * c.page * row_elems, uint16_t{0x7fc1});
   in.sink.resize(c.hq);
   for (auto& x : in.sink) x = nd(rng) * 2.f;
   return in;

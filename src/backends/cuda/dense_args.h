@@ -59,11 +59,19 @@ __device__ __forceinline__ void store_extend_row(const Args& a, int64_t tok, int
     a.lse[tok * a.lse_s0 + h] = attnrt_cuda_common::natural_lse(m, l);
 }
 
+// Extent of one paged cache tensor ([pages, page_size, kv_heads, D]) beyond what Args holds.
+struct CacheExtent {
+  int64_t pages;
+  int64_t kv_heads;
+};
+
 // Hopper (sm_90a) dense_extend for head_dim 128: warpgroup MMA (wgmma) from shared memory, 128
 // query rows x 128 keys per step. Launches on `st`; the tiles of the plan are 128 query rows.
-// Grid: num_tiles x a.hq blocks, head index fastest.
+// Grid: num_tiles x a.hq blocks, head index fastest. K/V tiles arrive by tensor-memory copies when
+// the page size and the caches' strides allow (k, v: the caches' extents), else by cp.async.
 template <typename T>
-cudaError_t launch_extend_wgmma(const Args& a, int num_tiles, cudaStream_t st);
+cudaError_t launch_extend_wgmma(const Args& a, const CacheExtent& k, const CacheExtent& v,
+                                int num_tiles, cudaStream_t st);
 template <typename T>
 cudaError_t prepare_extend_wgmma();
 constexpr int kWgmmaTileRows = 128;

@@ -490,12 +490,13 @@ int decode_splits(int64_t base, int64_t slots, int64_t max_splits) {
 }
 
 template <typename T, int D>
-int32_t launch(const DensePlan& pl, const Args& a, cudaStream_t st, char* err, size_t cap) {
+int32_t launch(const DensePlan& pl, const Args& a, const CacheExtent (&kv)[2], cudaStream_t st,
+               char* err, size_t cap) {
   const attnrt_problem& p = pl.problem;
   if (p.op == ATTNRT_OP_DENSE_EXTEND) {
     if (pl.num_tiles == 0) return ATTNRT_OK;
     if (pl.wgmma) {
-      DK_CK(launch_extend_wgmma<T>(a, pl.num_tiles, st));
+      DK_CK(launch_extend_wgmma<T>(a, kv[0], kv[1], pl.num_tiles, st));
       return ATTNRT_OK;
     }
     attn_mma_kernel<T, D, false><<<pl.num_tiles * p.num_q_heads, kThreads,
@@ -514,11 +515,12 @@ int32_t launch(const DensePlan& pl, const Args& a, cudaStream_t st, char* err, s
 }
 
 template <typename T>
-int32_t launch_t(const DensePlan& pl, const Args& a, cudaStream_t st, char* err, size_t cap) {
+int32_t launch_t(const DensePlan& pl, const Args& a, const CacheExtent (&kv)[2], cudaStream_t st,
+                 char* err, size_t cap) {
   switch (pl.problem.head_dim) {
-    case 64: return launch<T, 64>(pl, a, st, err, cap);
-    case 128: return launch<T, 128>(pl, a, st, err, cap);
-    case 256: return launch<T, 256>(pl, a, st, err, cap);
+    case 64: return launch<T, 64>(pl, a, kv, st, err, cap);
+    case 128: return launch<T, 128>(pl, a, kv, st, err, cap);
+    case 256: return launch<T, 256>(pl, a, kv, st, err, cap);
     default:
       std::snprintf(err, cap, "head_dim %d not supported", pl.problem.head_dim);
       return ATTNRT_INVALID;
@@ -669,8 +671,10 @@ int32_t run(attnrt_plan plan, const attnrt_tensors* t, void* stream, char* err, 
   a.part_lse = pl.d_part_lse;
   DK_CK(cudaSetDevice(p.device.index));
   cudaStream_t st = static_cast<cudaStream_t>(stream);
-  if (p.q_dtype == ATTNRT_BF16) return launch_t<__nv_bfloat16>(pl, a, st, err, cap);
-  return launch_t<__half>(pl, a, st, err, cap);
+  const CacheExtent kv[2] = {{t->k_cache.shape[0], t->k_cache.shape[2]},
+                             {t->v_cache.shape[0], t->v_cache.shape[2]}};
+  if (p.q_dtype == ATTNRT_BF16) return launch_t<__nv_bfloat16>(pl, a, kv, st, err, cap);
+  return launch_t<__half>(pl, a, kv, st, err, cap);
 }
 
 void destroy(attnrt_plan plan) { free_plan(reinterpret_cast<DensePlan*>(plan)); }
