@@ -352,15 +352,15 @@ TEST(CudaPlugin, ExtendRandomSweep) {
 TEST(CudaPlugin, ExtendLongPrompts) {
   REQUIRE_GPU();
   std::mt19937 rng(4321);
-  const int pages[] = {1, 64, 128, 48, 16, 256};
-  for (int it = 0; it < 6; ++it) {
+  const int pages[] = {1, 64, 128, 48, 16, 256, 64};
+  for (int it = 0; it < 7; ++it) {
     Case c;
     c.op = ATTNRT_OP_DENSE_EXTEND;
     c.dtype = it % 2 ? ATTNRT_F16 : ATTNRT_BF16;
     c.d = 128;
     c.page = pages[it];
     c.hkv = 1 + it % 2;
-    c.hq = c.hkv * (it < 3 ? 4 : 2);
+    c.hq = c.hkv * (it == 6 ? 8 : it < 3 ? 4 : 2);
     c.sink = it % 3 == 2;
     c.lse = it != 4;
     const int n = 1 + it % 3;
