@@ -32,6 +32,7 @@
 #include <cuda_fp16.h>
 
 #include <cmath>
+#include <numeric>
 #include <type_traits>
 
 #include "cuda_common/mbarrier.cuh"
@@ -395,8 +396,8 @@ __global__ void __launch_bounds__(threads_of(kTma), 1)
     wgmma_commit();
   };
   // Mask and online softmax of tile it in place (log2 domain, scores scaled by
-  // sm_scale * log2 e), then P packed as A fragments; corr: the factor the running O must take
-  // before P V of this tile is added.
+  // sm_scale * log2 e); corr: the factor the running O must take before P V of this tile is
+  // added.
   auto softmax = [&](int it, float(&s)[64], float(&corr)[2]) {
     const int j0 = it * kBK;
     if (j0 + kBK > min(lim0, lim1)) {  // tiles that cross the diagonal or the end only
@@ -452,10 +453,9 @@ __global__ void __launch_bounds__(threads_of(kTma), 1)
   };
 
   if (n_tiles > 0) {
-    // Step it issues S of tile it, rescales O for tile it - 1 while S runs (O is idle: P V of
-    // tile it - 2 completed), then issues P V of tile it - 1, so the tensor cores run P V while
-    // the warpgroup computes the softmax of tile it. The first step has no P V, the last
-    // (it = n_tiles) no S: no branch between a wgmma and its wait.
+    // Step it computes S of tile it while the tensor cores run P V of tile it - 1; once that
+    // P V completed, O takes the rescale for tile it and P is packed. The first step has no
+    // P V, the last (it = n_tiles) no S: no branch between a wgmma and its wait.
     if (pingpong && wg == 1) turn_pass();  // warpgroup 0 goes first
     float corr[2];
     {
@@ -588,8 +588,6 @@ bool encode_cache_map(CUtensorMap* map, const void* base, const CacheExtent& e, 
                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
-int gcd_int(int x, int y) { return y == 0 ? x : gcd_int(y, x % y); }
-
 }  // namespace
 
 template <typename T>
@@ -606,7 +604,7 @@ template <typename T>
 cudaError_t launch_extend_wgmma(const Args& a, const CacheExtent& k, const CacheExtent& v,
                                 int num_tiles, cudaStream_t st) {
   CacheMaps maps{};
-  maps.box_rows = gcd_int(a.page_size, kBK);
+  maps.box_rows = std::gcd(a.page_size, kBK);
   // Page runs of fewer than 8 rows would need more copies per tile than warp 0 has lanes (and
   // break the 1024-byte swizzle atoms): those caches take cp.async.
   const bool tma = maps.box_rows >= 8 &&
