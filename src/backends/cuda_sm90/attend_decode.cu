@@ -248,23 +248,30 @@ __global__ void __launch_bounds__(kThreads, 3) attend_decode_kernel(AttendDecode
   cluster_arrive();  // done with the peers' shared memory
   __syncthreads();
   T* out = static_cast<T*>(a.out) + static_cast<int64_t>(b) * a.o_s0;
+  // Every shared-memory load below is unconditional: in a cluster kernel, a load under a per-row
+  // predicate compiles to its own read of the CTA's cluster id (S2R) and a dependent load, 16 in
+  // sequence, which took ~2 us of a ~9 us kernel at batch 1 (globaltimer trace, H100).
+  float glse[kTopK];
+#pragma unroll
+  for (int r = 0; r < kTopK; ++r) glse[r] = s_glse[r];
   for (int idx = tid; idx < S * (kHeadDim / 2); idx += kThreads) {
     const int j = idx / (kHeadDim / 2), h = part + parts * j, d = 2 * (idx % (kHeadDim / 2));
-    // Rows r with r % S == j (S a power of two) are head h's partials; all 16 are visited so the
+    // Rows r with r % S == j (S a power of two) are head h's partials; all 16 are read so the
     // loads overlap.
-    float M = -INFINITY;
+    float2 v[kTopK];
 #pragma unroll
     for (int r = 0; r < kTopK; ++r)
-      if ((r & (S - 1)) == j) M = fmaxf(M, s_glse[r]);
+      v[r] = *reinterpret_cast<const float2*>(gath + r * kHeadDim + d);
+    float M = -INFINITY;
+#pragma unroll
+    for (int r = 0; r < kTopK; ++r) M = (r & (S - 1)) == j ? fmaxf(M, glse[r]) : M;
     float L = 0.f, acc0 = 0.f, acc1 = 0.f;
 #pragma unroll
     for (int r = 0; r < kTopK; ++r) {
-      if ((r & (S - 1)) != j) continue;
-      const float w = M == -INFINITY ? 0.f : exp2f(s_glse[r] - M);
-      const float2 v = *reinterpret_cast<const float2*>(gath + r * kHeadDim + d);
+      const float w = (r & (S - 1)) != j || M == -INFINITY ? 0.f : exp2f(glse[r] - M);
       L += w;
-      acc0 += w * v.x;
-      acc1 += w * v.y;
+      acc0 += w * v[r].x;
+      acc1 += w * v[r].y;
     }
     if (a.sink != nullptr) {
       const float cf = fold_sink(M, L, a.sink[h]);

@@ -9,8 +9,9 @@
 // j < kv_len). Top-16: the request's CTAs meet at a barrier, each ranks its own blocks against all
 // of the request's scores (ties to the lowest ids, forced init/local blocks, NaN -> -1e30) and
 // writes those of rank < 16 to their slot; the last CTA to finish puts the 16 slots in ascending
-// id order. Padding is -1. The arrival counters are back at zero after every launch (the
-// barrier's generation only moves on), so a captured graph replays.
+// id order. Padding is -1. That last CTA also sets the request's counters back to zero (every
+// CTA has passed the barrier by then), so the next launch, or a captured graph's replay, starts
+// from zero.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -36,6 +37,7 @@ constexpr int kStages = 2;
 constexpr int kPageBytes = kBlock * kDim * 2;
 static_assert(kStages * kPageBytes >= kMaxBlocks * 4, "a request's block keys reuse the stages");
 using attnrt_cuda_common::raise_smem_limit;
+using attnrt_cuda_common::set_attribute_once;
 using attnrt_cuda_common::smem_u32;
 using attnrt_cuda_common::bar_expect_tx;
 using attnrt_cuda_common::bar_init;
@@ -51,10 +53,8 @@ __device__ __forceinline__ float2 to_float2(uint32_t x, __half) {
   return __half22float2(*reinterpret_cast<const __half2*>(&x));
 }
 
-__device__ __forceinline__ uint32_t ld_relaxed(const uint32_t* p) {
-  uint32_t v;
-  asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
+__device__ __forceinline__ void red_release_add(uint32_t* p, uint32_t v) {
+  asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 __device__ __forceinline__ uint32_t ld_acquire(const uint32_t* p) {
   uint32_t v;
@@ -172,19 +172,14 @@ __global__ void __launch_bounds__(kThreads) index_decode_kernel(IndexDecodeArgs 
   // each ranks its own blocks against all of the request's block scores and writes every block
   // of rank < 16 to slot `rank`; the last CTA to finish that puts the 16 slots in id order.
   // The serial part is a few memory round trips, not a select over every block in one CTA.
-  uint32_t* sync = a.sync + 3 * b;  // [arrivals, barrier generation, rankers done]
+  uint32_t* sync = a.sync + 2 * b;  // [arrivals, rankers done]
   if (tid == 0) {
-    const uint32_t gen = ld_acquire(&sync[1]);  // read before arriving: the barrier's phase
-    __threadfence();                             // this CTA's scores before its arrival
-    if (atomicAdd(&sync[0], 1u) == static_cast<uint32_t>(a.ctas_per_request) - 1) {
-      sync[0] = 0;  // no CTA arrives again before the generation moves on
-      __threadfence();
-      atomicAdd(&sync[1], 1u);
-    } else {
-      // Polled gently: up to a few hundred threads of the grid spin while others still stream.
-      while (ld_relaxed(&sync[1]) == gen) __nanosleep(20);
-      __threadfence();  // acquire: the peers' scores
-    }
+    // Arrive with release semantics (this CTA's scores go first), then poll with acquire (the
+    // peers' scores come after) until every CTA of the request has arrived: one memory round
+    // trip after the last arrival, no generation to flip. Polled gently: up to a few hundred
+    // threads of the grid spin while others still stream.
+    red_release_add(&sync[0], 1u);
+    while (ld_acquire(&sync[0]) < static_cast<uint32_t>(a.ctas_per_request)) __nanosleep(20);
   }
   __syncthreads();
   uint32_t* keys = reinterpret_cast<uint32_t*>(stages);  // every bulk copy has completed
@@ -224,12 +219,15 @@ __global__ void __launch_bounds__(kThreads) index_decode_kernel(IndexDecodeArgs 
   __syncthreads();
   if (tid == 0) {
     __threadfence();
-    s_last = atomicAdd(&sync[2], 1u) == static_cast<uint32_t>(a.ctas_per_request) - 1;
+    s_last = atomicAdd(&sync[1], 1u) == static_cast<uint32_t>(a.ctas_per_request) - 1;
   }
   __syncthreads();
   if (!s_last || warp != 0) return;
   __threadfence();
-  if (lane == 0) sync[2] = 0;  // ready for the next launch (graph replay)
+  if (lane == 0) {  // every CTA is past the barrier: ready for the next launch (graph replay)
+    sync[0] = 0;
+    sync[1] = 0;
+  }
   // Slot k holds the block of rank k; its place in id order is how many selected ids are smaller.
   const int id = lane < keff ? __ldcg(out + lane * a.t_s2) : INT_MAX;
   int at = 0;
@@ -243,6 +241,14 @@ template <typename T>
 cudaError_t launch_t(const IndexDecodeArgs& a, cudaStream_t st) {
   const int smem = kStages * kPageBytes;
   if (cudaError_t e = raise_smem_limit<index_decode_kernel<T>>(smem); e != cudaSuccess) return e;
+  // All of shared memory as such (no L1 carve-out; the kernel reads through bulk copies): the
+  // SMs are then configured so that the attend, launched as a programmatic dependent, fits
+  // beside this kernel's CTAs and loads its queries while the scoring runs.
+  if (cudaError_t e = set_attribute_once<index_decode_kernel<T>,
+                                         cudaFuncAttributePreferredSharedMemoryCarveout>(
+          cudaSharedmemCarveoutMaxShared);
+      e != cudaSuccess)
+    return e;
   const int64_t grid = static_cast<int64_t>(a.n) * a.ctas_per_request;
   if (grid <= 0) return cudaSuccess;
   // Cooperative when a request has several CTAs: the launch fails rather than leave a CTA

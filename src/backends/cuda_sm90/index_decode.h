@@ -29,7 +29,7 @@ struct IndexArgsBase {
 
 // Decode: T = n, scores [n, block_capacity].
 struct IndexDecodeArgs : IndexArgsBase {
-  uint32_t* sync;          // [n][3] barrier and completion counters, zero before the first launch
+  uint32_t* sync;          // [n][2] barrier and completion counters, zero before the first launch
   int n, block_capacity, blocks_per_cta, ctas_per_request;
 };
 

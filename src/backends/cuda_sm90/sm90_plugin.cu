@@ -83,7 +83,7 @@ struct Sm90Plan {
   int num_items = 0;                             // extend indexer
   int32_t *d_kv_len = nullptr, *d_page_indptr = nullptr, *d_page_ids = nullptr;
   int32_t* d_counters = nullptr;  // extend
-  uint32_t* d_sync = nullptr;     // decode indexer: [n][3]
+  uint32_t* d_sync = nullptr;     // decode indexer: [n][2]
   float* d_scores = nullptr;                              // indexer
   float* d_part_lse = nullptr;                            // extend attend
   int32_t *d_q_len = nullptr, *d_row_req = nullptr, *d_row_pos = nullptr;  // extend
@@ -290,8 +290,8 @@ int32_t plan_impl(const attnrt_problem* p, const attnrt_layout* L, Sm90Plan* pl)
              sizeof g_error))
     return ATTNRT_INTERNAL;
   if (p->op == ATTNRT_OP_SPARSE_INDEX_DECODE) {
-    CK(cudaMalloc(reinterpret_cast<void**>(&pl->d_sync), sizeof(uint32_t) * 3 * std::max(n, 1)));
-    CK(cudaMemset(pl->d_sync, 0, sizeof(uint32_t) * 3 * std::max(n, 1)));
+    CK(cudaMalloc(reinterpret_cast<void**>(&pl->d_sync), sizeof(uint32_t) * 2 * std::max(n, 1)));
+    CK(cudaMemset(pl->d_sync, 0, sizeof(uint32_t) * 2 * std::max(n, 1)));
     CK(cudaMalloc(reinterpret_cast<void**>(&pl->d_scores),
                   sizeof(float) * std::max<size_t>(1, static_cast<size_t>(n) * pl->block_capacity)));
   } else {
