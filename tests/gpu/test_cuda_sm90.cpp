@@ -477,8 +477,59 @@ double graph_step_ms(const attnrt_plugin_v1* plug, const Batch& B, const SparseP
   return ms[ms.size() / 2];
 }
 
+// Profiling builds of the plugin (-DATTNRT_PHASE_TRACE=ON) export their kernels' phase stamps
+// (src/backends/cuda_common/phase_trace.cuh). read_phases() fetches and clears one table (false
+// when the plugin has none); print_phases() prints, per phase, when the CTAs reached it, in us
+// from the first indexer CTA's start: min / median / max over the CTAs.
+using PhaseRead = int (*)(uint64_t*, int, const char**);
+struct PhaseTable {
+  std::vector<uint64_t> t;
+  std::vector<std::string> names;
+};
+bool read_phases(const char* symbol, PhaseTable* out) {
+  void* h = dlopen(plugin_path().c_str(), RTLD_NOW | RTLD_LOCAL);
+  const auto read = h ? reinterpret_cast<PhaseRead>(dlsym(h, symbol)) : nullptr;
+  if (!read) return false;
+  constexpr int kCtas = 1024, kSlots = 16;
+  out->t.assign(static_cast<size_t>(kCtas) * kSlots, 0);
+  const char* names = "";
+  const int n = read(out->t.data(), kCtas, &names);
+  out->names.clear();
+  for (std::string all = names, cur; n > 0; all.erase(0, cur.size() + 1)) {
+    cur = all.substr(0, all.find(','));
+    out->names.push_back(cur);
+    if (all.find(',') == std::string::npos) break;
+  }
+  return n > 0;
+}
+void print_phases(const char* shape) {
+  PhaseTable ix, at;
+  if (!read_phases("attnrt_phase_sm90_index_decode", &ix) ||
+      !read_phases("attnrt_phase_sm90_attend_decode", &at))
+    return;
+  uint64_t t0 = UINT64_MAX;
+  for (size_t c = 0; c < ix.t.size(); c += 16)
+    if (ix.t[c] != 0) t0 = std::min(t0, ix.t[c]);
+  if (t0 == UINT64_MAX) return;
+  const std::pair<const char*, PhaseTable*> tables[] = {{"indexer", &ix}, {"attend", &at}};
+  for (const auto& [tag, tab] : tables) {
+    for (size_t slot = 0; slot < tab->names.size(); ++slot) {
+      std::vector<double> us;
+      for (size_t c = 0; c < tab->t.size() / 16; ++c) {
+        const uint64_t v = tab->t[c * 16 + slot];
+        if (v >= t0 && v - t0 < 10'000'000) us.push_back((v - t0) * 1e-3);
+      }
+      if (us.empty()) continue;
+      std::sort(us.begin(), us.end());
+      std::printf("PHASE %-16s %-7s %-15s ctas %4zu  min %8.2f  median %8.2f  max %8.2f us\n",
+                  shape, tag, tab->names[slot].c_str(), us.size(), us.front(), us[us.size() / 2],
+                  us.back());
+    }
+  }
+}
+
 // M3 per-rank decode (indexer, attend, sum): cuda_sm90 beside the generic cuda plugin, same data,
-// same call.
+// same call. Profiling builds also print the phases of the step's last replay.
 TEST(CudaSm90, BenchM3) {
   REQUIRE_HOPPER();
   if (!std::getenv("ATTNRT_GPU_BENCH")) GTEST_SKIP() << "set ATTNRT_GPU_BENCH=1 to time";
@@ -525,7 +576,12 @@ TEST(CudaSm90, BenchM3) {
                 s.name, t_fast, bytes / t_fast / 1e9, t_gen, t_gen / t_fast, a_fast, a_gen,
                 a_gen / a_fast, t_fast + a_fast, t_gen + a_gen, (t_gen + a_gen) / (t_fast + a_fast),
                 a == g ? "yes" : "no (near-ties)");
-    const double gf = graph_step_ms(g_plugin, B, S, P, 20), gg = graph_step_ms(generic, B, S, P, 20);
+    PhaseTable stale;  // profiling builds: earlier launches' stamps out of the way
+    read_phases("attnrt_phase_sm90_index_decode", &stale);
+    read_phases("attnrt_phase_sm90_attend_decode", &stale);
+    const double gf = graph_step_ms(g_plugin, B, S, P, 20);
+    print_phases(s.name);
+    const double gg = graph_step_ms(generic, B, S, P, 20);
     const double gi = graph_step_ms(g_plugin, B, S, P, 20, kGraphIndex),
                  ga = graph_step_ms(g_plugin, B, S, P, 20, kGraphAttend),
                  g0 = graph_step_ms(g_plugin, B, S, P, 20, kGraphFloor);

@@ -27,11 +27,18 @@
 #include "cuda_common/grid_dependency.cuh"
 #include "cuda_common/kernel_attr.h"
 #include "cuda_common/mma_sm80.cuh"
+#include "cuda_common/phase_trace.cuh"
 #include "cuda_common/softmax_state.cuh"
 #include "cuda_common/warp_tile.cuh"
 #include "index_decode.h"
 
 namespace attnrt_cuda_sm90 {
+
+// Profiling builds only (cuda_common/phase_trace.cuh): where each CTA is when.
+ATTNRT_PHASE_TABLE(sm90_attend_decode,
+                   "start,waited,selected,first block,computed,warp states,partial,cluster "
+                   "barrier,gathered,merge start,written,end")
+
 namespace {
 
 namespace cg = cooperative_groups;
@@ -81,6 +88,7 @@ __global__ void __launch_bounds__(kThreads, 3) attend_decode_kernel(AttendDecode
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, t4 = lane & 3;
 
+  ATTNRT_PHASE(sm90_attend_decode, 0);
   // What the indexer does not write: q, the length and the page table.
   {
     const T* q = static_cast<const T*>(a.q) + static_cast<int64_t>(b) * a.q_s0;
@@ -94,6 +102,7 @@ __global__ void __launch_bounds__(kThreads, 3) attend_decode_kernel(AttendDecode
   const int nblk = (kv + kBlock - 1) / kBlock;
   const int32_t* pages = a.page_ids + a.page_indptr[b];
   grid_dependency_wait();  // the selections are the indexer's output
+  ATTNRT_PHASE(sm90_attend_decode, 1);
   if (tid < kTopK) s_sel[tid] = a.topk[static_cast<int64_t>(b) * a.t_s1 + tid * a.t_s2];
   __syncthreads();
   if (warp == 0) {  // this CTA's live blocks, compacted in slot order, and their pages
@@ -115,6 +124,7 @@ __global__ void __launch_bounds__(kThreads, 3) attend_decode_kernel(AttendDecode
   }
   __syncthreads();
   const int nlive = s_nlive;
+  ATTNRT_PHASE(sm90_attend_decode, 2);
 
   const T* kc = static_cast<const T*>(a.kc);
   const T* vc = static_cast<const T*>(a.vc);
@@ -150,6 +160,7 @@ __global__ void __launch_bounds__(kThreads, 3) attend_decode_kernel(AttendDecode
       default: cp_wait<2>(); break;
     }
     __syncthreads();
+    if (i == 0) ATTNRT_PHASE(sm90_attend_decode, 3);
     const T* sK = reinterpret_cast<const T*>(stages + (i % nst) * kStageBytes);
     const T* sV = sK + kBlock * kHeadDim;
     const int j0 = s_blk[i] * kBlock, jend = min(j0 + kBlock, kv);
@@ -179,6 +190,7 @@ __global__ void __launch_bounds__(kThreads, 3) attend_decode_kernel(AttendDecode
     if (i + nst < nlive) load(i + nst);
   }
   cp_wait<0>();  // q's copy, when no block was live
+  ATTNRT_PHASE(sm90_attend_decode, 4);
 
   // The CTA's partial: each warp scales its rows to their share of the normalised output (the
   // rows' max and sum over the 4 warps), then the 4 shares are summed through the first stage.
@@ -192,6 +204,7 @@ __global__ void __launch_bounds__(kThreads, 3) attend_decode_kernel(AttendDecode
     }
   }
   __syncthreads();
+  ATTNRT_PHASE(sm90_attend_decode, 5);
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int row = g + 8 * r;
@@ -224,7 +237,10 @@ __global__ void __launch_bounds__(kThreads, 3) attend_decode_kernel(AttendDecode
     }
     *reinterpret_cast<float4*>(po + idx) = acc;
   }
+  ATTNRT_PHASE(sm90_attend_decode, 6);
   cluster.sync();  // every partial of the request is complete and visible to the cluster
+
+  ATTNRT_PHASE(sm90_attend_decode, 7);
 
   // CTA `part` finishes heads part, part + parts, ...: S heads x `parts` CTAs = 16 partials,
   // gathered with one round of loads into red's first 8 KB (row k * S + j: CTA k's partial of
@@ -245,8 +261,10 @@ __global__ void __launch_bounds__(kThreads, 3) attend_decode_kernel(AttendDecode
     for (int i = 0; i < 4; ++i) dst[i] = v[i];
   }
   static_assert(kThreads == kTopK * 8, "8 threads gather each of the 16 partial rows");
+  ATTNRT_PHASE(sm90_attend_decode, 8);
   cluster_arrive();  // done with the peers' shared memory
   __syncthreads();
+  ATTNRT_PHASE(sm90_attend_decode, 9);
   T* out = static_cast<T*>(a.out) + static_cast<int64_t>(b) * a.o_s0;
   // Every shared-memory load below is unconditional: in a cluster kernel, a load under a per-row
   // predicate compiles to its own read of the CTA's cluster id (S2R) and a dependent load, 16 in
@@ -283,7 +301,9 @@ __global__ void __launch_bounds__(kThreads, 3) attend_decode_kernel(AttendDecode
     if (d == 0 && a.lse != nullptr)
       a.lse[static_cast<int64_t>(b) * a.lse_s0 + h] = natural_lse(M, L);
   }
+  ATTNRT_PHASE(sm90_attend_decode, 10);
   cluster_wait();  // no CTA leaves while a peer still reads its shared memory
+  ATTNRT_PHASE(sm90_attend_decode, 11);
 }
 
 template <typename T>

@@ -27,9 +27,14 @@
 #include "cuda_common/kernel_attr.h"
 #include "cuda_common/mbarrier.cuh"
 #include "cuda_common/mma_sm80.cuh"
+#include "cuda_common/phase_trace.cuh"
 #include "index_decode.h"
 
 namespace attnrt_cuda_sm90 {
+
+// Profiling builds only (cuda_common/phase_trace.cuh): where each CTA is when.
+ATTNRT_PHASE_TABLE(sm90_index_decode, "start,first page,scored,barrier passed,ranked,sorted")
+
 namespace {
 
 constexpr int kThreads = 128;
@@ -83,6 +88,7 @@ __global__ void __launch_bounds__(kThreads) index_decode_kernel(IndexDecodeArgs 
   __shared__ float red[2][kThreads / 32];
   __shared__ int s_last;
 
+  ATTNRT_PHASE(sm90_index_decode, 0);
   grid_launch_dependents();  // the attend's CTAs may start (and load q) while this one runs
   const int b = blockIdx.x / a.ctas_per_request;
   const int part = blockIdx.x % a.ctas_per_request;
@@ -130,6 +136,7 @@ __global__ void __launch_bounds__(kThreads) index_decode_kernel(IndexDecodeArgs 
   for (int c = c0; c < c1; ++c) {
     const int i = c - c0, s = i % kStages;
     bar_wait(&bars[s], (i / kStages) & 1);
+    if (i == 0) ATTNRT_PHASE(sm90_index_decode, 1);
     const unsigned char* page = stages + s * kPageBytes;
     float m = -INFINITY;
 #pragma unroll 4
@@ -158,6 +165,7 @@ __global__ void __launch_bounds__(kThreads) index_decode_kernel(IndexDecodeArgs 
     }
   }
 
+  ATTNRT_PHASE(sm90_index_decode, 2);
   // Selection. Every block is taken when there are at most 16: no CTA waits for another.
   const int nvis = nblk;  // decode: the query sits at kv_len - 1
   const int keff = min(kTopK, nvis);
@@ -182,6 +190,7 @@ __global__ void __launch_bounds__(kThreads) index_decode_kernel(IndexDecodeArgs 
     while (ld_acquire(&sync[0]) < static_cast<uint32_t>(a.ctas_per_request)) __nanosleep(20);
   }
   __syncthreads();
+  ATTNRT_PHASE(sm90_index_decode, 3);
   uint32_t* keys = reinterpret_cast<uint32_t*>(stages);  // every bulk copy has completed
   const float* src = a.scores + static_cast<int64_t>(b) * a.block_capacity;
   const int init_b = a.init_blocks, local_from = nvis - a.local_blocks;
@@ -217,6 +226,7 @@ __global__ void __launch_bounds__(kThreads) index_decode_kernel(IndexDecodeArgs 
     }
   }
   __syncthreads();
+  ATTNRT_PHASE(sm90_index_decode, 4);
   if (tid == 0) {
     __threadfence();
     s_last = atomicAdd(&sync[1], 1u) == static_cast<uint32_t>(a.ctas_per_request) - 1;
@@ -235,6 +245,7 @@ __global__ void __launch_bounds__(kThreads) index_decode_kernel(IndexDecodeArgs 
   for (int k = 0; k < kTopK; ++k) at += __shfl_sync(0xffffffffu, id, k) < id;
   __syncwarp();
   if (lane < keff) out[at * a.t_s2] = id;
+  ATTNRT_PHASE(sm90_index_decode, 5);
 }
 
 template <typename T>
