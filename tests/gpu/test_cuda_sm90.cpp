@@ -7,6 +7,8 @@
 // contiguous.
 // Every test skips without a CUDA device; on a device other than sm_90 only the probe test runs.
 // ATTNRT_GPU_BENCH=1 times it beside the generic cuda plugin on the M3 decode and extend shapes.
+#include <sstream>
+
 #include "sparse_harness.h"
 
 namespace {
@@ -482,25 +484,23 @@ double graph_step_ms(const attnrt_plugin_v1* plug, const Batch& B, const SparseP
 // when the plugin has none); print_phases() prints, per phase, when the CTAs reached it, in us
 // from the first indexer CTA's start: min / median / max over the CTAs.
 using PhaseRead = int (*)(uint64_t*, int, const char**);
+constexpr int kPhaseCtas = 1024, kPhaseSlots = 16;  // phase_trace.cuh's table: [CTA][slot]
 struct PhaseTable {
-  std::vector<uint64_t> t;
+  std::vector<uint64_t> t;  // [kPhaseCtas][kPhaseSlots]
   std::vector<std::string> names;
 };
 bool read_phases(const char* symbol, PhaseTable* out) {
-  void* h = dlopen(plugin_path().c_str(), RTLD_NOW | RTLD_LOCAL);
+  void* h = dlopen(plugin_path().c_str(), RTLD_NOW | RTLD_LOCAL);  // loaded already: no init
   const auto read = h ? reinterpret_cast<PhaseRead>(dlsym(h, symbol)) : nullptr;
+  if (h) dlclose(h);  // the harness keeps the plugin loaded, so `read` stays valid
   if (!read) return false;
-  constexpr int kCtas = 1024, kSlots = 16;
-  out->t.assign(static_cast<size_t>(kCtas) * kSlots, 0);
+  out->t.assign(static_cast<size_t>(kPhaseCtas) * kPhaseSlots, 0);
   const char* names = "";
-  const int n = read(out->t.data(), kCtas, &names);
+  if (read(out->t.data(), kPhaseCtas, &names) <= 0) return false;
   out->names.clear();
-  for (std::string all = names, cur; n > 0; all.erase(0, cur.size() + 1)) {
-    cur = all.substr(0, all.find(','));
-    out->names.push_back(cur);
-    if (all.find(',') == std::string::npos) break;
-  }
-  return n > 0;
+  std::istringstream in(names);
+  for (std::string name; std::getline(in, name, ',');) out->names.push_back(name);
+  return true;
 }
 void print_phases(const char* shape) {
   PhaseTable ix, at;
@@ -508,15 +508,15 @@ void print_phases(const char* shape) {
       !read_phases("attnrt_phase_sm90_attend_decode", &at))
     return;
   uint64_t t0 = UINT64_MAX;
-  for (size_t c = 0; c < ix.t.size(); c += 16)
+  for (size_t c = 0; c < ix.t.size(); c += kPhaseSlots)
     if (ix.t[c] != 0) t0 = std::min(t0, ix.t[c]);
   if (t0 == UINT64_MAX) return;
   const std::pair<const char*, PhaseTable*> tables[] = {{"indexer", &ix}, {"attend", &at}};
   for (const auto& [tag, tab] : tables) {
     for (size_t slot = 0; slot < tab->names.size(); ++slot) {
       std::vector<double> us;
-      for (size_t c = 0; c < tab->t.size() / 16; ++c) {
-        const uint64_t v = tab->t[c * 16 + slot];
+      for (size_t c = 0; c < kPhaseCtas; ++c) {
+        const uint64_t v = tab->t[c * kPhaseSlots + slot];
         if (v >= t0 && v - t0 < 10'000'000) us.push_back((v - t0) * 1e-3);
       }
       if (us.empty()) continue;
