@@ -45,9 +45,9 @@ if has bench; then
     tee "$OUT/bench_sm90.log" | grep -E "BENCH|FAIL"
   # The same sparse shapes through the Runtime, with the fast path and without it.
   ATTNRT_PLUGIN_PATH="$B/lib" timeout 120 "$B/bin/attnrt" bench --device cuda:0 \
-    --suite cuda-sparse 2>&1 | tee "$OUT/bench_cuda_sparse.log" | tail -14
+    --suite cuda-sparse 2>&1 | tee "$OUT/bench_cuda_sparse.log" | tail -19
   ATTNRT_DISABLE=cuda_sm90 ATTNRT_PLUGIN_PATH="$B/lib" timeout 120 "$B/bin/attnrt" bench \
-    --device cuda:0 --suite cuda-sparse 2>&1 | tee "$OUT/bench_cuda_sparse_generic.log" | tail -14
+    --device cuda:0 --suite cuda-sparse 2>&1 | tee "$OUT/bench_cuda_sparse_generic.log" | tail -19
 fi
 if has run; then
   export ATTNRT_PLUGIN_PATH="$B/lib"

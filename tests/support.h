@@ -3,10 +3,12 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdlib>
 #include <random>
 #include <vector>
 
 #include "attnrt/attnrt.h"
+#include "core/backend.h"
 
 namespace attnrt::test {
 
@@ -33,6 +35,11 @@ double rel_l2(const HostTensor& a, const HostTensor& b);
 double max_abs_diff(const HostTensor& a, const HostTensor& b);
 // Fraction-free elementwise allclose: |a-b| <= atol + rtol*|b| for all; NaN fails.
 bool allclose(const HostTensor& a, const HostTensor& b, double rtol, double atol);
+// Host memory for a Workspace of a test that drives a backend directly (no Runtime).
+struct HostMemory : DeviceMemory {
+  void* alloc(size_t n) override { return std::aligned_alloc(64, (n + 63) / 64 * 64); }
+  void free(void* p) noexcept override { std::free(p); }
+};
 // A fresh seed for each call (time-based), printed by the caller on failure.
 uint64_t fresh_seed();
 

@@ -170,12 +170,12 @@ void expect_paging_invariant(const std::string& backend, Op op, int ps, DType dt
   p.num_q_heads = Hq;
   p.num_kv_heads = Hkv;
   p.head_dim = D;
-  p.write_lse = !is_index(op);
+  p.write_lse = reads_attention_inputs(op);
   p.num_index_heads = Hidx;  // 2 index heads per KV head for sparse attend
   p.index_dim = Didx;
   p.block_size = B;
   p.topk = K;
-  if (is_index(op)) p.init_blocks = p.local_blocks = 1;
+  if (reads_index_inputs(op)) p.init_blocks = p.local_blocks = 1;
 
   const int64_t T = la.total_q();
   HostTensor q(dt, {T, Hq, D}), ka(dt, {pages, ps, Hkv, D}), va(dt, {pages, ps, Hkv, D});
@@ -207,29 +207,31 @@ void expect_paging_invariant(const std::string& backend, Op op, int ps, DType dt
   HostTensor ta_sel(DType::i32, {Hidx, T, K}), tb_sel(DType::i32, {Hidx, T, K});
   for (HostTensor* t : {&oa, &ob, &sa, &sb, &ta_sel, &tb_sel}) test::poison(*t);
   Tensors ta, tb;
-  if (is_index(op)) {
+  if (reads_attention_inputs(op)) {
+    ta = {q.view, ka.view, va.view, oa.view, sa.view, {}, {}, {}, {}};
+    tb = {q.view, kb.view, vb.view, ob.view, sb.view, {}, {}, {}, {}};
+  }
+  if (reads_index_inputs(op)) {
     ta.index_q = tb.index_q = iq.view;
     ta.index_k_cache = ika.view;
     tb.index_k_cache = ikb.view;
     ta.topk = ta_sel.view;
     tb.topk = tb_sel.view;
-  } else {
-    ta = {q.view, ka.view, va.view, oa.view, sa.view, {}, {}, {}, {}};
-    tb = {q.view, kb.view, vb.view, ob.view, sb.view, {}, {}, {}, {}};
-    if (is_sparse_attend(op)) ta.topk = tb.topk = sel.view;
+  } else if (reads_topk_input(op)) {
+    ta.topk = tb.topk = sel.view;
   }
   rt.execute(p, la, ta);
   rt.execute(p, lb, tb);
   EXPECT_EQ(rt.plan(p, la)->backend(), backend);
-  if (is_index(op)) {
+  if (reads_index_inputs(op)) {
     // Every row was written (valid ids or -1 padding), and identically.
     for (int64_t i = 0; i < ta_sel.numel(); ++i) {
       const int32_t id = ta_sel.view.ptr<int32_t>()[i];
       ASSERT_TRUE(id >= -1 && id < 9) << "element " << i << " = " << id;
     }
     EXPECT_EQ(0, std::memcmp(ta_sel.bytes.data(), tb_sel.bytes.data(), ta_sel.bytes.size()));
-    return;
   }
+  if (!reads_attention_inputs(op)) return;
   ASSERT_FALSE(test::has_nan(oa));
   ASSERT_FALSE(test::has_nan(sa));
   EXPECT_EQ(0, std::memcmp(oa.bytes.data(), ob.bytes.data(), oa.bytes.size()));
@@ -246,7 +248,7 @@ TEST(PagedKvCache, ScrambledPagesGiveBitIdenticalResults) {
 TEST(PagedKvCache, ScrambledPagesGiveBitIdenticalSparseResults) {
   for (const std::string backend : {"reference", "cpu"})
     for (Op op : {Op::sparse_index_extend, Op::sparse_index_decode, Op::sparse_attend_extend,
-                  Op::sparse_attend_decode})
+                  Op::sparse_attend_decode, Op::sparse_decode})
       for (int ps : {1, 16, 64})
         for (DType dt : {DType::f32, DType::bf16}) expect_paging_invariant(backend, op, ps, dt);
 }

@@ -31,8 +31,8 @@ struct Case {
     p.num_q_heads = 4;
     p.num_kv_heads = 2;
     p.head_dim = 8;
-    p.has_sink = !is_index(op);
-    p.write_lse = !is_index(op);
+    p.has_sink = reads_attention_inputs(op);
+    p.write_lse = reads_attention_inputs(op);
     p.num_index_heads = 2;
     p.index_dim = 8;
     p.block_size = 4;
@@ -64,19 +64,19 @@ struct Case {
   }
   Tensors tensors() {
     Tensors t;
-    if (is_index(p.op)) {
+    if (reads_index_inputs(p.op)) {
       t.index_q = iq.view;
       t.index_k_cache = ik.view;
-      t.topk = topk.view;
-      return t;
     }
-    t.q = q.view;
-    t.k_cache = k.view;
-    t.v_cache = v.view;
-    t.out = out.view;
-    t.lse = lse.view;
-    t.sink = sink.view;
-    if (is_sparse_attend(p.op)) t.topk = topk.view;
+    if (reads_attention_inputs(p.op)) {
+      t.q = q.view;
+      t.k_cache = k.view;
+      t.v_cache = v.view;
+      t.out = out.view;
+      t.lse = lse.view;
+      t.sink = sink.view;
+    }
+    if (!is_dense(p.op)) t.topk = topk.view;
     return t;
   }
   // Token j of request b, head h, dim x of a paged cache, read through the page table.
@@ -279,6 +279,46 @@ TEST(Reference, SparseEqualsDenseWhenEveryVisibleBlockFitsInTopk) {
     EXPECT_EQ(0, std::memcmp(sparse_out.bytes.data(), c.out.bytes.data(), c.out.bytes.size()));
     EXPECT_EQ(0, std::memcmp(sparse_lse.bytes.data(), c.lse.bytes.data(), c.lse.bytes.size()));
   }
+}
+
+// sparse_decode is sparse_index_decode, then sparse_attend_decode on the selections it wrote:
+// on fresh random inputs with more visible blocks than topk (so the selection is real), its
+// topk, out and lse equal those of the two calls exactly (the same code). R = 2 index heads per
+// KV head, so the attention takes the union of two selections.
+TEST(Reference, SparseDecodeEqualsIndexThenAttend) {
+  const uint64_t seed = test::fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  Case fused(Op::sparse_decode, 3, {1, 1, 1}, {30, 11, 25}, seed);
+  fused.p.num_index_heads = 4;
+  fused.iq = HostTensor(DType::f32, {3, 4, 8});
+  std::mt19937_64 rng(seed + 1);
+  test::fill_normal(fused.iq, rng);
+  fused.topk = HostTensor(DType::i32, {4, 3, 3});
+  test::poison(fused.topk);
+  reference_compute(fused.p, fused.layout, fused.tensors());
+
+  Case steps = fused;  // same inputs; its own outputs
+  for (HostTensor* t : {&steps.q, &steps.k, &steps.v, &steps.sink, &steps.iq, &steps.ik,
+                        &steps.topk, &steps.out, &steps.lse})
+    t->view.data = t->bytes.data();
+  test::poison(steps.topk);
+  test::poison(steps.out);
+  test::poison(steps.lse);
+  steps.p.op = Op::sparse_index_decode;
+  reference_compute(steps.p, steps.layout, steps.tensors());
+  steps.p.op = Op::sparse_attend_decode;
+  reference_compute(steps.p, steps.layout, steps.tensors());
+
+  EXPECT_EQ(0,
+            std::memcmp(fused.topk.bytes.data(), steps.topk.bytes.data(), fused.topk.bytes.size()));
+  EXPECT_EQ(0, std::memcmp(fused.out.bytes.data(), steps.out.bytes.data(), fused.out.bytes.size()));
+  EXPECT_EQ(0, std::memcmp(fused.lse.bytes.data(), steps.lse.bytes.data(), fused.lse.bytes.size()));
+  ASSERT_FALSE(test::has_nan(fused.out));
+  ASSERT_FALSE(test::has_nan(fused.lse));
+  // The selection is real: request 0 sees 8 blocks and each of its rows picks 3 of them.
+  const int32_t* sel = static_cast<const int32_t*>(fused.topk.view.data);
+  for (int h = 0; h < 4; ++h)
+    for (int k = 0; k < 3; ++k) EXPECT_GE(sel[(h * 3 + 0) * 3 + k], 0) << "head " << h;
 }
 
 }  // namespace

@@ -3,13 +3,16 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <mutex>
 #include <thread>
 
+#include "backends/cpu/cpu_backend.h"
 #include "backends/reference/reference_backend.h"
 #include "core/cpu_dispatch.h"
+#include "registry/plugin_backend.h"
 #include "support.h"
 
 namespace attnrt {
@@ -141,6 +144,25 @@ Problem unclaimed_problem(const DenseCase& c) {
   return p;
 }
 
+// A sparse_decode problem on a dense_decode DenseCase's layout (no fault plugin computes it).
+Problem sparse_decode_problem(const DenseCase& c) {
+  Problem p = c.problem;
+  p.op = Op::sparse_decode;
+  p.num_index_heads = 2;
+  p.index_dim = 16;
+  p.block_size = 4;
+  p.topk = 2;
+  p.local_blocks = 1;
+  return p;
+}
+
+BackendState state_of(const std::vector<BackendState>& states, const std::string& name) {
+  auto it = std::find_if(states.begin(), states.end(),
+                         [&](const BackendState& s) { return s.backend == name; });
+  if (it == states.end()) throw std::runtime_error("no backend " + name + " in diagnose()");
+  return *it;
+}
+
 int count_containing(const std::vector<std::string>& lines, const std::string& s) {
   int n = 0;
   for (const auto& l : lines) n += l.find(s) != std::string::npos;
@@ -246,6 +268,114 @@ TEST(Registry, HealthyPluginOutranksCpu) {
   EXPECT_FALSE(rt.diagnose(unclaimed).front().available);
   EXPECT_EQ(rt.plan(unclaimed, c.layout)->backend(), "cpu");
   EXPECT_TRUE(logs.warnings().empty()) << ::testing::PrintToString(logs.warnings());
+}
+
+// A plugin built for ABI 1.0 predates sparse_decode (1.1): it loads and serves its other ops,
+// and the host never passes it op 6 (its probe would claim it): diagnose() says why, in the
+// words plugin.h gives an op a plugin does not serve, and the cpu backend takes the op without
+// a warning. Forced onto it, sparse_decode fails closed with the same reason.
+TEST(Registry, AbiMinorZeroPluginIsNeverAskedForSparseDecode) {
+  LogCapture logs;
+  Runtime rt(options_for("abi_minor0"));
+  const Report r = rt.report();
+  ASSERT_EQ(r.plugins.size(), 1u);
+  EXPECT_TRUE(r.plugins[0].loaded) << r.plugins[0].reason;
+  DenseCase c(test::fresh_seed(), Op::dense_decode);
+  c.run(rt);
+  EXPECT_LT(c.err(), 1e-5);
+  EXPECT_EQ(rt.plan(c.problem, c.layout)->backend(), "fault_abi_minor0");
+
+  const Problem fused = sparse_decode_problem(c);
+  const BackendState st = state_of(rt.diagnose(fused), "fault_abi_minor0");
+  EXPECT_FALSE(st.available);
+  EXPECT_EQ(st.reason.rfind("op not served", 0), 0u) << st.reason;
+  EXPECT_THAT(st.reason, HasSubstr("plugin ABI 1.0 predates sparse_decode (1.1)"));
+  EXPECT_EQ(rt.plan(fused, c.layout)->backend(), "cpu");
+  EXPECT_TRUE(logs.warnings().empty()) << ::testing::PrintToString(logs.warnings());
+
+  RuntimeOptions o = options_for("abi_minor0");
+  o.force_backend = "fault_abi_minor0";
+  Runtime forced(o);
+  try {
+    forced.plan(fused, c.layout);
+    ADD_FAILURE() << "a 1.0 plugin was given sparse_decode";
+  } catch (const BackendUnavailable& e) {
+    EXPECT_EQ(e.backend(), "fault_abi_minor0");
+    EXPECT_EQ(e.reason().rfind("op not served", 0), 0u) << e.reason();
+  }
+}
+
+// A plugin of the host's ABI (1.1) is asked about sparse_decode: the reason diagnose() gives is
+// its own probe's answer.
+TEST(Registry, AbiMinorOnePluginIsProbedForSparseDecode) {
+  Runtime rt(options_for("healthy"));
+  DenseCase c(test::fresh_seed(), Op::dense_decode);
+  const BackendState st = state_of(rt.diagnose(sparse_decode_problem(c)), "fault_healthy");
+  EXPECT_FALSE(st.available);
+  EXPECT_EQ(st.reason, "only dense ops");
+}
+
+// The canary covers sparse_decode: a backend computing it correctly passes; one whose top-k or
+// whose attention output is wrong fails with the reason. (The cpu backend stands in for a
+// plugin; run_canary compares it with the reference's sparse_decode.)
+class CorruptingBackend : public Backend {
+ public:
+  enum class Fault { none, topk, out };
+  CorruptingBackend(std::unique_ptr<Backend> inner, Fault fault)
+      : inner_(std::move(inner)), fault_(fault) {}
+  const std::string& name() const override { return inner_->name(); }
+  int priority() const override { return inner_->priority(); }
+  std::vector<Device> devices() const override { return inner_->devices(); }
+  Availability probe(const Problem& p) const override { return inner_->probe(p); }
+  std::unique_ptr<BackendPlan> plan(const Problem& p, const BatchLayout& l,
+                                    Workspace& ws) override {
+    return inner_->plan(p, l, ws);
+  }
+  void run(const BackendPlan& plan, const Problem& p, const BatchLayout& l, const Tensors& t,
+           Workspace& ws) override {
+    inner_->run(plan, p, l, t, ws);
+    if (fault_ == Fault::topk) {
+      // Request 0's first row of index head 0 loses its first block for an unselected one.
+      int32_t* row = t.topk.ptr<int32_t>();
+      std::vector<int32_t> kept(row, row + p.topk);
+      int32_t other = 0;
+      while (std::find(kept.begin(), kept.end(), other) != kept.end()) ++other;
+      kept[0] = other;
+      std::sort(kept.begin(), kept.end());
+      std::copy(kept.begin(), kept.end(), row);
+    } else if (fault_ == Fault::out) {
+      store_from_f32(t.out.data, t.out.dtype, 0, load_as_f32(t.out.data, t.out.dtype, 0) + 1.0f);
+    }
+  }
+
+ private:
+  std::unique_ptr<Backend> inner_;
+  Fault fault_;
+};
+
+TEST(Canary, CoversSparseDecode) {
+  Problem p;
+  p.op = Op::sparse_decode;
+  p.q_dtype = p.kv_dtype = DType::bf16;
+  p.page_size = 16;
+  p.num_q_heads = 8;
+  p.num_kv_heads = 2;
+  p.head_dim = 32;
+  p.has_sink = true;
+  p.write_lse = true;
+  p.num_index_heads = 2;
+  p.index_dim = 32;
+  p.block_size = 16;
+  p.topk = 3;
+  p.local_blocks = 1;
+  Workspace ws(Device::cpu(), std::make_shared<test::HostMemory>());
+  using Fault = CorruptingBackend::Fault;
+  CorruptingBackend good(make_cpu_backend(2), Fault::none);
+  EXPECT_EQ(run_canary(good, p, ws), "");
+  CorruptingBackend bad_topk(make_cpu_backend(2), Fault::topk);
+  EXPECT_THAT(run_canary(bad_topk, p, ws), HasSubstr("canary mismatch (1 top-k rows differ"));
+  CorruptingBackend bad_out(make_cpu_backend(2), Fault::out);
+  EXPECT_THAT(run_canary(bad_out, p, ws), HasSubstr("in out)"));
 }
 
 // The test plugins read and write f16 and bf16 themselves (they may include only the plugin

@@ -1,10 +1,14 @@
-// Core types: rounding conversions against exact rules, devices, tensor views.
+// Core types: rounding conversions against exact rules, devices, tensor views, op names and
+// problem signatures.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <limits>
+#include <utility>
+#include <vector>
 
 #include "support.h"
 
@@ -96,6 +100,59 @@ TEST(Types, TensorViewOffsetsAndContiguity) {
   EXPECT_EQ(dtype_size(DType::bf16), 2u);
   EXPECT_EQ(parse_dtype("bf16", "x"), DType::bf16);
   EXPECT_THROW(parse_dtype("fp8", "--dtype"), InvalidArgument);
+}
+
+TEST(Problem, OpNamesRoundTrip) {
+  for (int i = 0; i < kNumOps; ++i)
+    EXPECT_EQ(parse_op(op_name(static_cast<Op>(i))), static_cast<Op>(i));
+  EXPECT_EQ(parse_op("sparse_decode"), Op::sparse_decode);
+  EXPECT_THROW(parse_op("sparse_fused"), InvalidArgument);
+}
+
+// sparse_decode uses every field of sparse_index_decode and of sparse_attend_decode: a change of
+// any of them gives another signature (plan cache and canary keys), and describe() names each.
+TEST(Problem, SparseDecodeSignatureAndDescribeCoverEveryField) {
+  Problem p;
+  p.op = Op::sparse_decode;
+  p.num_q_heads = 8;
+  p.num_kv_heads = 2;
+  p.head_dim = 64;
+  p.num_index_heads = 2;
+  p.index_dim = 32;
+  p.block_size = 16;
+  p.topk = 4;
+  p.local_blocks = 1;
+  const std::vector<std::pair<const char*, std::function<void(Problem&)>>> changes = {
+      {"q_dtype", [](Problem& x) { x.q_dtype = DType::bf16; }},
+      {"kv_dtype", [](Problem& x) { x.kv_dtype = DType::bf16; }},
+      {"page_size", [](Problem& x) { x.page_size = 32; }},
+      {"num_q_heads", [](Problem& x) { x.num_q_heads = 16; }},
+      {"num_kv_heads", [](Problem& x) { x.num_kv_heads = 1; }},
+      {"head_dim", [](Problem& x) { x.head_dim = 128; }},
+      {"sm_scale", [](Problem& x) { x.sm_scale = 0.5f; }},
+      {"has_sink", [](Problem& x) { x.has_sink = true; }},
+      {"write_lse", [](Problem& x) { x.write_lse = true; }},
+      {"num_index_heads", [](Problem& x) { x.num_index_heads = 4; }},
+      {"index_dim", [](Problem& x) { x.index_dim = 64; }},
+      {"block_size", [](Problem& x) { x.block_size = 32; }},
+      {"topk", [](Problem& x) { x.topk = 8; }},
+      {"init_blocks", [](Problem& x) { x.init_blocks = 1; }},
+      {"local_blocks", [](Problem& x) { x.local_blocks = 2; }},
+      {"score_type", [](Problem& x) { x.score_type = ScoreType::lse; }},
+      {"index_scale", [](Problem& x) { x.index_scale = 0.25f; }},
+  };
+  for (const auto& [field, change] : changes) {
+    Problem q = p;
+    change(q);
+    EXPECT_NE(q.signature(), p.signature()) << field;
+    EXPECT_NE(q.describe(), p.describe()) << field;
+  }
+  Problem index = p, attend = p;
+  index.op = Op::sparse_index_decode;
+  attend.op = Op::sparse_attend_decode;
+  EXPECT_NE(p.signature(), index.signature());
+  EXPECT_NE(p.signature(), attend.signature());
+  EXPECT_THAT(p.describe(), ::testing::HasSubstr("sparse_decode on cpu"));
 }
 
 }  // namespace

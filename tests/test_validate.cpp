@@ -46,7 +46,7 @@ struct Call {
     p.topk = 2;
     p.init_blocks = 1;
     p.local_blocks = 1;
-    if (is_index(p.op)) p.write_lse = p.has_sink = false;
+    if (!reads_attention_inputs(p.op)) p.write_lse = p.has_sink = false;
     const bool dec = is_decode(op);
     layout = BatchLayout::make(4, {dec ? 1 : 3, 1}, {9, 5}, {{5, 1, 3}, {0, 2}});
     const int64_t T = layout.total_q();
@@ -67,19 +67,19 @@ struct Call {
 
   Tensors tensors() const {
     Tensors t;
-    if (is_index(p.op)) {
+    if (reads_index_inputs(p.op)) {
       t.index_q = iq.view;
       t.index_k_cache = ik.view;
-      t.topk = topk.view;
-      return t;
     }
-    t.q = q.view;
-    t.k_cache = k.view;
-    t.v_cache = v.view;
-    t.out = out.view;
-    if (p.write_lse) t.lse = lse.view;
-    if (p.has_sink) t.sink = sink.view;
-    if (is_sparse_attend(p.op)) t.topk = topk.view;
+    if (reads_attention_inputs(p.op)) {
+      t.q = q.view;
+      t.k_cache = k.view;
+      t.v_cache = v.view;
+      t.out = out.view;
+      if (p.write_lse) t.lse = lse.view;
+      if (p.has_sink) t.sink = sink.view;
+    }
+    if (!is_dense(p.op)) t.topk = topk.view;
     return t;
   }
 };
@@ -104,8 +104,8 @@ class Validate : public ::testing::Test {
 };
 
 TEST_F(Validate, BaselinesAreValidForEveryOp) {
-  for (Op op : {Op::dense_extend, Op::dense_decode, Op::sparse_index_extend, Op::sparse_index_decode,
-                Op::sparse_attend_extend, Op::sparse_attend_decode}) {
+  for (int i = 0; i < kNumOps; ++i) {
+    const Op op = static_cast<Op>(i);
     Call c(op);
     EXPECT_NO_THROW(rt.execute(c.p, c.layout, c.tensors())) << op_name(op);
   }
@@ -177,7 +177,7 @@ TEST_F(Validate, ProblemFields) {
   {
     Call c(Op::dense_extend);
     c.p.op = static_cast<Op>(9);
-    expect_call_invalid(c, {"op 9", "expected one of the 6 ops"});
+    expect_call_invalid(c, {"op 9", "expected one of the 7 ops"});
   }
   {
     Call c(Op::dense_decode);
@@ -352,7 +352,8 @@ TEST_F(Validate, TensorRules) {
     Call c(Op::dense_extend);
     Tensors t = c.tensors();
     t.out = t.q;
-    expect_invalid([&] { rt.execute(c.p, c.layout, t); }, {"tensor out aliases an input"});
+    expect_invalid([&] { rt.execute(c.p, c.layout, t); },
+                   {"tensor out aliases q", "expected a separate buffer"});
   }
   {
     Call c(Op::dense_extend);
@@ -426,6 +427,114 @@ TEST_F(Validate, SparseSelectionRows) {
   expect_call_invalid(with(-7, -1), {"topk[0, 0, 0] = -7", "out of range"});
   Call ok = with(0, 1);
   EXPECT_NO_THROW(rt.execute(ok.p, ok.layout, ok.tensors()));
+}
+
+// sparse_decode checks the union of sparse_index_decode's and sparse_attend_decode's rules, with
+// the same messages; its topk is an output, so its contents are not checked.
+TEST_F(Validate, SparseDecode) {
+  {
+    Call c(Op::sparse_decode);
+    Tensors t = c.tensors();
+    t.topk = TensorView{};
+    expect_invalid([&] { rt.execute(c.p, c.layout, t); }, {"tensor topk is missing", "[2, 2, 2]"});
+  }
+  {
+    Call c(Op::sparse_decode);
+    c.topk = HostTensor(DType::i32, {2, 2, 3});
+    expect_call_invalid(c, {"tensor topk shape [2, 2, 3] dim 2 is 3", "expected 2"});
+  }
+  {
+    Call c(Op::sparse_decode);
+    c.topk = HostTensor(DType::f32, {2, 2, 2});
+    expect_call_invalid(c, {"tensor topk dtype f32", "expected i32"});
+  }
+  {
+    Call c(Op::sparse_decode);
+    c.layout = BatchLayout::make(4, {2, 1}, {9, 5}, {{5, 1, 3}, {0, 2}});
+    expect_call_invalid(c, {"request 0", "q_len 2", "expected 1 for sparse_decode"});
+  }
+  {
+    Call c(Op::sparse_decode);
+    Tensors t = c.tensors();
+    t.index_q = TensorView{};
+    expect_invalid([&] { rt.execute(c.p, c.layout, t); },
+                   {"tensor index_q is missing", "[2, 2, 8]"});
+  }
+  {
+    Call c(Op::sparse_decode);
+    Tensors t = c.tensors();
+    t.index_k_cache = TensorView{};
+    expect_invalid([&] { rt.execute(c.p, c.layout, t); },
+                   {"tensor index_k_cache is missing", "[-1, 4, 1, 8]"});
+  }
+  {
+    Call c(Op::sparse_decode);
+    Tensors t = c.tensors();
+    t.k_cache = TensorView{};
+    expect_invalid([&] { rt.execute(c.p, c.layout, t); },
+                   {"tensor k_cache is missing", "[-1, 4, 2, 8]"});
+  }
+  {
+    Call c(Op::sparse_decode);
+    Tensors t = c.tensors();
+    t.lse = TensorView{};
+    expect_invalid([&] { rt.execute(c.p, c.layout, t); }, {"tensor lse is missing", "[2, 4]"});
+  }
+  {
+    Call c(Op::sparse_decode);
+    c.iq = HostTensor(DType::bf16, {2, 2, 8});
+    expect_call_invalid(c, {"tensor index_q dtype bf16", "expected f32"});
+  }
+  {
+    Call c(Op::sparse_decode);
+    c.layout = BatchLayout::make(4, {1, 1}, {9, 5}, {{5, 1, 6}, {0, 2}});
+    c.ik = HostTensor(DType::f32, {7, 4, 1, 8});
+    expect_call_invalid(c, {"request 0: page id 6 at page_ids[2] >= k_cache pages 6"});
+  }
+  {
+    Call c(Op::sparse_decode);
+    Tensors t = c.tensors();
+    t.topk.data = t.out.data;
+    expect_invalid([&] { rt.execute(c.p, c.layout, t); },
+                   {"tensor out aliases topk", "expected a separate buffer"});
+  }
+  // Problem fields of both steps.
+  {
+    Call c(Op::sparse_decode);
+    c.p.index_dim = 0;
+    expect_call_invalid(c, {"index_dim 0", "expected 1..512"});
+  }
+  {
+    Call c(Op::sparse_decode);
+    c.p.head_dim = 1000;
+    expect_call_invalid(c, {"head_dim 1000", "expected 1..512"});
+  }
+  {
+    Call c(Op::sparse_decode);
+    c.p.num_index_heads = 3;
+    expect_call_invalid(c, {"num_index_heads 3 % num_kv_heads 2"});
+  }
+  {
+    Call c(Op::sparse_decode);
+    c.p.init_blocks = 2;
+    expect_call_invalid(c, {"init_blocks 2 + local_blocks 1 > topk 2", "fit in topk"});
+  }
+  {
+    Call c(Op::sparse_decode);
+    c.p.num_q_heads = 0;
+    expect_call_invalid(c, {"num_q_heads 0", "expected > 0"});
+  }
+  {
+    Call c(Op::sparse_decode);
+    c.p.index_scale = -0.5f;
+    expect_call_invalid(c, {"index_scale -0.5", "expected finite >= 0"});
+  }
+  // An output topk's incoming contents are not a selection to check.
+  {
+    Call c(Op::sparse_decode);
+    test::poison(c.topk);
+    EXPECT_NO_THROW(rt.execute(c.p, c.layout, c.tensors()));
+  }
 }
 
 TEST_F(Validate, BadInputLeavesOutputsUntouched) {

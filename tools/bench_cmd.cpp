@@ -259,7 +259,7 @@ nlohmann::json run_case(Runtime& rt, const Device& dev, const CaseSpec& c, const
   p.device = dev;
   p.q_dtype = p.kv_dtype = c.dt;
   p.page_size = P;
-  if (!is_index(c.op)) {
+  if (reads_attention_inputs(c.op)) {
     p.num_q_heads = Hq;
     p.num_kv_heads = Hkv;
     p.head_dim = D;
@@ -269,7 +269,7 @@ nlohmann::json run_case(Runtime& rt, const Device& dev, const CaseSpec& c, const
     p.block_size = B;
     p.topk = K;
   }
-  if (is_index(c.op)) {
+  if (reads_index_inputs(c.op)) {
     p.index_dim = Di;
     p.local_blocks = 1;
   }
@@ -284,36 +284,44 @@ nlohmann::json run_case(Runtime& rt, const Device& dev, const CaseSpec& c, const
   }
   const BatchLayout L = BatchLayout::make(P, ql, kl, pages);
   const int64_t T = L.total_q();
-  // Sparse attend selects the last K visible blocks of each row (the local window).
+  // A caller's selection (sparse_attend_*) is the last K visible blocks of each row (the local
+  // window). The indexer of sparse_decode selects K blocks too, the own (partial) block among
+  // them, so its attention reads as many keys.
   std::vector<int32_t> topk(size_t(Hi) * T * K, -1);
-  double pairs = 0, keys_read = 0;  // visible (query, key) pairs; keys read once per KV group
+  // Visible (query, key) pairs and keys read once per KV group, of the indexer (every visible
+  // key) and of attention (the selected blocks' keys when sparse).
+  double index_pairs = 0, index_keys = 0, attend_pairs = 0, attend_keys = 0;
+  const bool selected = attends_selected_blocks(c.op);
   for (int b = 0; b < c.batch; ++b)
     for (int i = 0; i < c.q_len; ++i) {
       const int64_t r = L.q_indptr[b] + i, pos = c.kv_len - c.q_len + i;
-      if (is_sparse_attend(c.op)) {
-        const int nvis = int(pos / B + 1), n = std::min(K, nvis);
+      const int nvis = int(pos / B + 1), n = std::min(K, nvis);
+      if (reads_topk_input(c.op))
         for (int kk = 0; kk < n; ++kk) topk[r * K + kk] = nvis - n + kk;
-        pairs += double(pos + 1) - double(nvis - n) * B;
-      } else {
-        pairs += double(pos + 1);
+      index_pairs += double(pos + 1);
+      attend_pairs += selected ? double(pos + 1) - double(nvis - n) * B : double(pos + 1);
+      if (i == c.q_len - 1) {
+        index_keys += pos + 1;
+        attend_keys += selected ? std::min<double>(pos + 1, K * B) : pos + 1;
       }
-      if (i == c.q_len - 1) keys_read += is_sparse_attend(c.op) ? std::min<double>(pos + 1, K * B) : pos + 1;
     }
   std::mt19937_64 rng(1);
   Buffer q, k, v, iq, ik, out, tk;
   Tensors t;
   const size_t es = dtype_size(c.dt);
+  // sparse_decode counts as the sum of its two steps.
   double flops = 0, bytes = 0;
-  if (is_index(c.op)) {
+  if (reads_index_inputs(c.op)) {
     fill(rt, dev, iq, c.dt, T * Hi * Di, rng);
     fill(rt, dev, ik, c.dt, int64_t(npages) * P * Di, rng);
     fill(rt, dev, tk, DType::i32, int64_t(Hi) * T * K, rng);
     t.index_q = TensorView::contiguous(iq.dev.data(), c.dt, dev, {T, Hi, Di});
     t.index_k_cache = TensorView::contiguous(ik.dev.data(), c.dt, dev, {npages, P, 1, Di});
     t.topk = TensorView::contiguous(tk.dev.data(), DType::i32, dev, {Hi, T, K});
-    flops = 2 * pairs * Hi * Di;
-    bytes = keys_read * Di * es;
-  } else {
+    flops += 2 * index_pairs * Hi * Di;
+    bytes += index_keys * Di * es;
+  }
+  if (reads_attention_inputs(c.op)) {
     fill(rt, dev, q, c.dt, T * Hq * D, rng);
     fill(rt, dev, k, c.dt, int64_t(npages) * P * Hkv * D, rng);
     fill(rt, dev, v, c.dt, int64_t(npages) * P * Hkv * D, rng);
@@ -322,13 +330,13 @@ nlohmann::json run_case(Runtime& rt, const Device& dev, const CaseSpec& c, const
     t.k_cache = TensorView::contiguous(k.dev.data(), c.dt, dev, {npages, P, Hkv, D});
     t.v_cache = TensorView::contiguous(v.dev.data(), c.dt, dev, {npages, P, Hkv, D});
     t.out = TensorView::contiguous(out.dev.data(), c.dt, dev, {T, Hq, D});
-    if (is_sparse_attend(c.op)) {
+    if (reads_topk_input(c.op)) {
       tk.dev = rt.allocate(dev, topk.size() * sizeof(int32_t));
       rt.copy_to_device(tk.dev, topk.data(), topk.size() * sizeof(int32_t));
       t.topk = TensorView::contiguous(tk.dev.data(), DType::i32, dev, {Hi, T, K});
     }
-    flops = 4 * pairs * Hq * D;
-    bytes = 2 * keys_read * Hkv * D * es;
+    flops += 4 * attend_pairs * Hq * D;
+    bytes += 2 * attend_keys * Hkv * D * es;
   }
   auto plan = rt.plan(p, L);  // once, like a forward pass reuses it over its layers
   for (int i = 0; i < o.warmup; ++i) rt.run(*plan, t);
@@ -394,6 +402,7 @@ std::vector<CaseSpec> cpu_m3_suite() {
     cases.push_back({"index decode 8x32k", Op::sparse_index_decode, dt, 8, 1, 32768});
     cases.push_back({"sparse extend 1024@8k", Op::sparse_attend_extend, dt, 1, 1024, 8192});
     cases.push_back({"sparse decode 8x32k", Op::sparse_attend_decode, dt, 8, 1, 32768});
+    cases.push_back({"fused decode 8x32k", Op::sparse_decode, dt, 8, 1, 32768});
   }
   return cases;
 }
@@ -420,15 +429,17 @@ std::vector<CaseSpec> cuda_dense_suite() {
 }
 
 // MiniMax-M3 sparse layers per rank (16 q heads, 1 KV head, 1 index head, D = D_idx = 128,
-// block = page = 128, top-16, bf16): the indexer and sparse attend, decode at batch 1/16/64 and
-// 64k/128k context, and the extend of 8192 new tokens at 64k. Sparse attend selects the last 16
-// visible blocks of each row. (ATTNRT_DISABLE=cuda_sm90 times the generic CUDA kernels.)
+// block = page = 128, top-16, bf16): the indexer, sparse attend and both in one call
+// (sparse_decode), decode at batch 1/16/64 and 64k/128k context, and the extend of 8192 new
+// tokens at 64k. Sparse attend alone selects the last 16 visible blocks of each row.
+// (ATTNRT_DISABLE=cuda_sm90 times the generic CUDA kernels.)
 std::vector<CaseSpec> cuda_sparse_suite() {
   std::vector<CaseSpec> cases;
   for (auto [b, len] : {std::pair{1, 65536}, {1, 131072}, {16, 65536}, {64, 65536}, {64, 131072}}) {
     const std::string shape = std::to_string(b) + "x" + std::to_string(len / 1024) + "k";
     cases.push_back({"index decode " + shape, Op::sparse_index_decode, DType::bf16, b, 1, len});
     cases.push_back({"attend decode " + shape, Op::sparse_attend_decode, DType::bf16, b, 1, len});
+    cases.push_back({"sparse_decode " + shape, Op::sparse_decode, DType::bf16, b, 1, len});
   }
   cases.push_back({"index extend 8192@64k", Op::sparse_index_extend, DType::bf16, 1, 8192, 65536});
   cases.push_back({"attend extend 8192@64k", Op::sparse_attend_extend, DType::bf16, 1, 8192, 65536});
@@ -443,9 +454,11 @@ void add_bench_command(CLI::App& app) {
   cmd->add_option("--suite", o->suite,
                   "named suite: cpu-m3 (minimax-m3-tp4 shapes, all ops; the default on cpu) or "
                   "cuda-dense (Hq=32 Hkv=8 d=128 prefill/decode, paged and contiguous; the "
-                  "default on cuda) or cuda-sparse (minimax-m3-tp4 indexer and sparse attend, "
-                  "decode at batch 1/16/64 x 64k/128k and extend 8192@64k)");
-  cmd->add_option("--op", o->op, "a single custom case of this op (e.g. dense_extend)");
+                  "default on cuda) or cuda-sparse (minimax-m3-tp4 indexer, sparse attend and "
+                  "sparse_decode, decode at batch 1/16/64 x 64k/128k and extend 8192@64k)");
+  std::string op_names;
+  for (int i = 0; i < kNumOps; ++i) op_names += (i ? ", " : "") + std::string(op_name(Op(i)));
+  cmd->add_option("--op", o->op, "a single custom case of this op: " + op_names);
   cmd->add_option("--batch", o->batch, "custom case: requests")->capture_default_str();
   cmd->add_option("--q-len", o->q_len, "custom case: query tokens (0: kv_len for extend)");
   cmd->add_option("--kv-len", o->kv_len, "custom case: context length")->capture_default_str();

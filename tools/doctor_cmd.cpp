@@ -37,14 +37,14 @@ attnrt::Problem make_problem(attnrt::Op op, const attnrt::ModelConfig& m, attnrt
   p.num_q_heads = m.num_q_heads;
   p.num_kv_heads = m.num_kv_heads;
   p.head_dim = m.head_dim;
-  if (attnrt::is_index(op) || attnrt::is_sparse_attend(op)) {
+  if (!attnrt::is_dense(op)) {
     const int hidx = m.sparse.num_index_heads > 0 ? m.sparse.num_index_heads : m.num_kv_heads;
     p.num_index_heads = hidx;
     p.index_dim = m.sparse.index_dim > 0 ? m.sparse.index_dim : 128;
     p.block_size = m.sparse.block_size > 0 ? m.sparse.block_size : 64;
     p.topk = m.sparse.topk > 0 ? m.sparse.topk : 16;
     p.score_type = m.sparse.score_type;
-    if (attnrt::is_index(op)) {
+    if (attnrt::reads_index_inputs(op)) {
       p.init_blocks = m.sparse.init_blocks;
       p.local_blocks = m.sparse.local_blocks;
     }

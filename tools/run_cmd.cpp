@@ -4,7 +4,8 @@
 // are filled with random values once on the host, then copied to the device; each step the
 // layout grows from the PageAllocator (prefill of --prompt-len tokens, then --decode-steps single
 // tokens). Per step, one plan per op is made and reused by every layer. Dense layers run
-// dense_*; sparse layers run sparse_index_* (top-k blocks) then sparse_attend_* on that top-k.
+// dense_*; sparse layers run sparse_index_extend (top-k blocks) then sparse_attend_extend on that
+// top-k in prefill, and one sparse_decode call (both in one) in decode.
 // --check recomputes every layer with the reference backend on host copies and compares.
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
@@ -116,7 +117,8 @@ struct OpStats {
   std::string backend;
   double seconds = 0;
   int64_t calls = 0;
-  double max_err = 0;  // max |a-b| (attention) or fraction of differing top-k rows (index)
+  double max_abs_err = 0;       // attention: max |a-b| of out
+  double topk_rows_differ = 0;  // indexer: the largest fraction of top-k rows differing as sets
   bool failed = false;
 };
 
@@ -235,7 +237,7 @@ void run_resolved(const RunOptions& o, const attnrt::ModelConfig& m) {
       p.block_size = m.sparse.block_size;
       p.topk = K;
       p.score_type = m.sparse.score_type;
-      if (attnrt::is_index(op)) {
+      if (attnrt::reads_index_inputs(op)) {
         p.init_blocks = m.sparse.init_blocks;
         p.local_blocks = m.sparse.local_blocks;
       }
@@ -250,7 +252,8 @@ void run_resolved(const RunOptions& o, const attnrt::ModelConfig& m) {
   auto last_progress = Clock::now();
   const double tol = dt == DType::f32 ? 1e-5 : 5e-3;
 
-  std::shared_ptr<const attnrt::Plan> dec_plans[3];  // dense, index, attend decode
+  // The previous decode step's plans, refreshed for each next step's lengths.
+  std::map<Op, std::shared_ptr<const attnrt::Plan>> decode_plans;
   for (int step = 0; step <= o.decode_steps; ++step) {
     const bool prefill = step == 0;
     const int qn = prefill ? o.prompt_len : 1;
@@ -258,17 +261,17 @@ void run_resolved(const RunOptions& o, const attnrt::ModelConfig& m) {
     const attnrt::BatchLayout layout = alloc.layout(reqs, std::vector<int32_t>(reqs.size(), qn));
     const int64_t T = layout.total_q();
     const CheckedRows chk = o.check ? checked_rows(layout, o.check_rows) : CheckedRows{};
-    const Op dense_op = prefill ? Op::dense_extend : Op::dense_decode;
-    const Op idx_op = prefill ? Op::sparse_index_extend : Op::sparse_index_decode;
-    const Op att_op = prefill ? Op::sparse_attend_extend : Op::sparse_attend_decode;
+    // The calls of one layer. A sparse layer runs the indexer, then sparse attention on its
+    // selections: two calls in prefill, one sparse_decode call in decode.
+    const std::vector<Op> dense_ops = {prefill ? Op::dense_extend : Op::dense_decode};
+    const std::vector<Op> sparse_ops =
+        prefill ? std::vector<Op>{Op::sparse_index_extend, Op::sparse_attend_extend}
+                : std::vector<Op>{Op::sparse_decode};
     // Plans of this step, one per op for all its layers. Decode steps refresh the previous
     // step's plans for the new lengths (update_plan: same device addresses) instead of planning.
-    std::shared_ptr<const attnrt::Plan> pd, pi, pa;
-    if (!prefill) {
-      if (dec_plans[0]) pd = rt.update(dec_plans[0], layout);
-      if (dec_plans[1]) pi = rt.update(dec_plans[1], layout);
-      if (dec_plans[2]) pa = rt.update(dec_plans[2], layout);
-    }
+    std::map<Op, std::shared_ptr<const attnrt::Plan>> plans;
+    if (!prefill)
+      for (const auto& [op, plan] : decode_plans) plans[op] = rt.update(plan, layout);
     Buf q = make_buf(rt, dev, dt, T * Hq * D), out = make_buf(rt, dev, dt, T * Hq * D);
     Buf iq, tk;
     if (m.use_sparse) {
@@ -279,46 +282,47 @@ void run_resolved(const RunOptions& o, const attnrt::ModelConfig& m) {
       const bool sparse = m.layer_sparse[l];
       fill(q, gen);
       upload(rt, q);
-      attnrt::Tensors t;
-      t.q = view(q.dev.data(), dt, dev, {T, Hq, D});
-      t.out = view(out.dev.data(), dt, dev, {T, Hq, D});
-      t.k_cache = view(kc[l].dev.data(), dt, dev, {num_pages, ps, Hkv, D});
-      t.v_cache = view(vc[l].dev.data(), dt, dev, {num_pages, ps, Hkv, D});
-      attnrt::Tensors ti;
-      std::vector<std::pair<Op, std::shared_ptr<const attnrt::Plan>*>> ops;
       if (sparse) {
         fill(iq, gen);
         upload(rt, iq);
-        ti.index_q = view(iq.dev.data(), dt, dev, {T, Hidx, Didx});
-        ti.index_k_cache = view(ikc[l].dev.data(), dt, dev, {num_pages, ps, 1, Didx});
-        ti.topk = view(tk.dev.data(), DType::i32, dev, {Hidx, T, K});
-        t.topk = ti.topk;
-        if (!pi) pi = rt.plan(base(idx_op), layout);
-        if (!pa) pa = rt.plan(base(att_op), layout);
-        ops = {{idx_op, &pi}, {att_op, &pa}};
-      } else {
-        if (!pd) pd = rt.plan(base(dense_op), layout);
-        ops = {{dense_op, &pd}};
       }
-      for (auto& [op, plan] : ops) {
-        const bool is_idx = attnrt::is_index(op);
+      // The tensors `op` reads and writes, of this layer.
+      auto tensors_of = [&](Op op) {
+        attnrt::Tensors t;
+        if (attnrt::reads_attention_inputs(op)) {
+          t.q = view(q.dev.data(), dt, dev, {T, Hq, D});
+          t.out = view(out.dev.data(), dt, dev, {T, Hq, D});
+          t.k_cache = view(kc[l].dev.data(), dt, dev, {num_pages, ps, Hkv, D});
+          t.v_cache = view(vc[l].dev.data(), dt, dev, {num_pages, ps, Hkv, D});
+        }
+        if (attnrt::reads_index_inputs(op)) {
+          t.index_q = view(iq.dev.data(), dt, dev, {T, Hidx, Didx});
+          t.index_k_cache = view(ikc[l].dev.data(), dt, dev, {num_pages, ps, 1, Didx});
+        }
+        if (!attnrt::is_dense(op)) t.topk = view(tk.dev.data(), DType::i32, dev, {Hidx, T, K});
+        return t;
+      };
+      for (Op op : sparse ? sparse_ops : dense_ops) {
+        std::shared_ptr<const attnrt::Plan>& plan = plans[op];
+        if (!plan) plan = rt.plan(base(op), layout);
         auto t0 = Clock::now();
-        rt.run(**plan, is_idx ? ti : t);
+        rt.run(*plan, tensors_of(op));
         rt.synchronize(dev);
         const double s = std::chrono::duration<double>(Clock::now() - t0).count();
         OpStats& st = stats[attnrt::op_name(op)];
-        st.backend = (*plan)->backend();
+        st.backend = plan->backend();
         st.seconds += s;
         st.calls += 1;
         phase_s[prefill ? 0 : 1] += s;
         if (!o.check) continue;
-        // Reference on host copies of the same inputs, over the checked rows.
-        attnrt::Problem hp = base(op);
-        hp.device = host;
+        // Reference on host copies of the same inputs, over the checked rows, one step at a time
+        // (sparse_decode: its indexer, then its attention on the backend's own top-k).
         const int64_t TC = static_cast<int64_t>(chk.rows.size());
         const size_t es = attnrt::dtype_size(dt);
-        if (is_idx) {
-          download(rt, tk);
+        if (!attnrt::is_dense(op)) download(rt, tk);
+        if (attnrt::reads_index_inputs(op)) {
+          attnrt::Problem hp = base(attnrt::index_step(op));
+          hp.device = host;
           std::vector<int32_t> ref(static_cast<size_t>(Hidx) * TC * K, -7);
           std::vector<unsigned char> hq = gather_rows(iq.host.data(), chk, T, Hidx * Didx * es);
           std::vector<unsigned char> got_rows = gather_rows(tk.host.data(), chk, T, K * 4, Hidx);
@@ -334,12 +338,14 @@ void run_resolved(const RunOptions& o, const attnrt::ModelConfig& m) {
             if (a != b) ++bad;
           }
           const double frac = static_cast<double>(bad) / (double(Hidx) * TC);
-          st.max_err = std::max(st.max_err, frac);
+          st.topk_rows_differ = std::max(st.topk_rows_differ, frac);
           // Exact ties in low precision may swap a block; more than 1% of rows is a real bug.
           if (frac > (dt == DType::f32 ? 0.0 : 0.01)) st.failed = true;
-        } else {
+        }
+        if (attnrt::reads_attention_inputs(op)) {
+          attnrt::Problem hp = base(attnrt::attention_step(op));
+          hp.device = host;
           download(rt, out);
-          if (sparse) download(rt, tk);  // the attend reference uses the backend's own top-k
           const size_t row_bytes = static_cast<size_t>(Hq) * D * es;
           // The reference output stays f32 (not rounded to dt): the tolerance is against the
           // exact result, and two independently rounded 16-bit values can differ by one ulp,
@@ -353,7 +359,7 @@ void run_resolved(const RunOptions& o, const attnrt::ModelConfig& m) {
           h.out = view(ref.data(), DType::f32, host, {TC, Hq, D});
           h.k_cache = view(kc[l].host.data(), dt, host, {num_pages, ps, Hkv, D});
           h.v_cache = view(vc[l].host.data(), dt, host, {num_pages, ps, Hkv, D});
-          if (sparse) {
+          if (attnrt::attends_selected_blocks(op)) {  // the backend's own top-k
             htk = gather_rows(tk.host.data(), chk, T, K * 4, Hidx);
             h.topk = view(htk.data(), DType::i32, host, {Hidx, TC, K});
           }
@@ -371,7 +377,7 @@ void run_resolved(const RunOptions& o, const attnrt::ModelConfig& m) {
             den += b * b;
           }
           if (dt == DType::f32) bad = !(std::sqrt(num / std::max(den, 1e-30)) <= tol);
-          st.max_err = std::max(st.max_err, maxe);
+          st.max_abs_err = std::max(st.max_abs_err, maxe);
           if (bad) st.failed = true;
         }
         any_fail = any_fail || st.failed;
@@ -382,11 +388,7 @@ void run_resolved(const RunOptions& o, const attnrt::ModelConfig& m) {
         last_progress = Clock::now();
       }
     }
-    if (!prefill) {
-      dec_plans[0] = pd;
-      dec_plans[1] = pi;
-      dec_plans[2] = pa;
-    }
+    if (!prefill) decode_plans = plans;
     phase_tokens[prefill ? 0 : 1] += T;
   }
 
@@ -420,7 +422,12 @@ void run_resolved(const RunOptions& o, const attnrt::ModelConfig& m) {
     for (const auto& [name, st] : stats) {
       j["ops"][name] = {{"backend", st.backend}, {"seconds", st.seconds}, {"calls", st.calls}};
       if (o.check) {
-        j["ops"][name]["max_error"] = st.max_err;
+        // max_error: of out where the op writes it, else of the top-k rows.
+        const Op op = attnrt::parse_op(name);
+        j["ops"][name]["max_error"] =
+            attnrt::reads_attention_inputs(op) ? st.max_abs_err : st.topk_rows_differ;
+        if (attnrt::reads_index_inputs(op))
+          j["ops"][name]["topk_rows_differ"] = st.topk_rows_differ;
         j["ops"][name]["ok"] = !st.failed;
       }
     }
@@ -436,9 +443,14 @@ void run_resolved(const RunOptions& o, const attnrt::ModelConfig& m) {
     for (const auto& [name, st] : stats) {
       std::printf("  %-22s backend %-10s %6lld calls %10.3f ms", name.c_str(), st.backend.c_str(),
                   static_cast<long long>(st.calls), st.seconds * 1e3);
-      if (o.check)
-        std::printf("  max %s %.3g %s", attnrt::is_index(attnrt::parse_op(name)) ? "rows-differ" : "abs err",
-                    st.max_err, st.failed ? "FAIL" : "ok");
+      if (o.check) {
+        const Op op = attnrt::parse_op(name);
+        std::printf("  max");
+        if (attnrt::reads_index_inputs(op)) std::printf(" rows-differ %.3g", st.topk_rows_differ);
+        if (attnrt::reads_index_inputs(op) && attnrt::reads_attention_inputs(op)) std::printf(",");
+        if (attnrt::reads_attention_inputs(op)) std::printf(" abs err %.3g", st.max_abs_err);
+        std::printf(" %s", st.failed ? "FAIL" : "ok");
+      }
       std::printf("\n");
     }
     std::printf("prefill: %.3f ms, %lld tokens, %.1f tokens/s (attention only, %d layers)\n",

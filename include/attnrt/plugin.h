@@ -11,7 +11,16 @@
  * constant, struct_size large enough, every required pointer non-null, a non-empty name unique
  * among loaded backends. Any failure makes the plugin unavailable with the reason; nothing
  * crashes. Minor versions are additive: a field added in minor m is read only when the plugin's
- * minor version is >= m.
+ * minor version is >= m, and an op added in minor m is passed only to plugins whose minor
+ * version is >= m.
+ *
+ * Minor versions:
+ *   1.0  the table below; ops 0-5.
+ *   1.1  op 6, ATTNRT_OP_SPARSE_DECODE (sparse_index_decode then sparse_attend_decode on the
+ *        selections it writes to tensors->topk, in one call). The host never passes op 6 to a
+ *        plugin whose minor version is 0: for such a plugin it reports the op as not served
+ *        ("op not served: plugin ABI 1.0 predates sparse_decode (1.1)") and the plugin still
+ *        serves its other ops. A 1.1 plugin that does not serve op 6 says so in probe.
  *
  * Nothing of C++ crosses this boundary: no exceptions (a plugin must catch everything), no
  * std types. Every function returns an attnrt_status. On any non-OK status the plugin makes
@@ -30,7 +39,7 @@ extern "C" {
 #endif
 
 #define ATTNRT_PLUGIN_ABI_MAJOR 1u
-#define ATTNRT_PLUGIN_ABI_MINOR 0u
+#define ATTNRT_PLUGIN_ABI_MINOR 1u
 #define ATTNRT_PLUGIN_ABI_VERSION ((ATTNRT_PLUGIN_ABI_MAJOR << 16) | ATTNRT_PLUGIN_ABI_MINOR)
 
 #if defined(_WIN32)
@@ -55,7 +64,8 @@ typedef enum attnrt_op {
   ATTNRT_OP_SPARSE_INDEX_EXTEND = 2,
   ATTNRT_OP_SPARSE_INDEX_DECODE = 3,
   ATTNRT_OP_SPARSE_ATTEND_EXTEND = 4,
-  ATTNRT_OP_SPARSE_ATTEND_DECODE = 5
+  ATTNRT_OP_SPARSE_ATTEND_DECODE = 5,
+  ATTNRT_OP_SPARSE_DECODE = 6 /* ABI 1.1 */
 } attnrt_op;
 
 typedef struct attnrt_device {

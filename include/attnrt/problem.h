@@ -27,19 +27,53 @@ enum class Op : uint8_t {
   sparse_index_decode = 3,
   sparse_attend_extend = 4,
   sparse_attend_decode = 5,
+  // sparse_index_decode, then sparse_attend_decode on the selections it just wrote to
+  // tensors.topk, in one call: the same results as the two calls with the same Problem fields.
+  sparse_decode = 6,
 };
-constexpr int kNumOps = 6;
+constexpr int kNumOps = 7;
 const char* op_name(Op op);
 // Throws InvalidArgument listing the known names.
 Op parse_op(std::string_view s);
+
+// What an op reads and writes. sparse_decode runs the indexer and sparse attention, so it is in
+// both families; code asks these questions rather than listing ops.
+//
+// q_len == 1 for every request.
 inline bool is_decode(Op op) {
-  return op == Op::dense_decode || op == Op::sparse_index_decode || op == Op::sparse_attend_decode;
+  return op == Op::dense_decode || op == Op::sparse_index_decode ||
+         op == Op::sparse_attend_decode || op == Op::sparse_decode;
 }
-inline bool is_index(Op op) { return op == Op::sparse_index_extend || op == Op::sparse_index_decode; }
-inline bool is_sparse_attend(Op op) {
-  return op == Op::sparse_attend_extend || op == Op::sparse_attend_decode;
-}
+// Full causal attention; uses no sparse field.
 inline bool is_dense(Op op) { return op == Op::dense_extend || op == Op::dense_decode; }
+// Runs the indexer: reads index_q, index_k_cache and the index fields (index_dim, init_blocks,
+// local_blocks, score_type, index_scale) and writes topk.
+inline bool reads_index_inputs(Op op) {
+  return op == Op::sparse_index_extend || op == Op::sparse_index_decode || op == Op::sparse_decode;
+}
+// Runs attention: reads q, k_cache, v_cache (sink) and the attention fields (heads, head_dim,
+// sm_scale, has_sink, write_lse) and writes out (lse).
+inline bool reads_attention_inputs(Op op) {
+  return is_dense(op) || op == Op::sparse_attend_extend || op == Op::sparse_attend_decode ||
+         op == Op::sparse_decode;
+}
+// Attention restricted to the blocks in topk (num_index_heads a multiple of num_kv_heads).
+inline bool attends_selected_blocks(Op op) {
+  return reads_attention_inputs(op) && !is_dense(op);
+}
+// topk is an input the caller provides (checked row by row), not an output of the call.
+inline bool reads_topk_input(Op op) {
+  return attends_selected_blocks(op) && !reads_index_inputs(op);
+}
+// The single-step op that computes only the indexer / only the attention of `op` with the same
+// Problem fields: `op` itself, except sparse_index_decode / sparse_attend_decode for sparse_decode.
+// For backends that compose sparse_decode and for checks of each step.
+inline Op index_step(Op op) {
+  return op == Op::sparse_decode ? Op::sparse_index_decode : op;
+}
+inline Op attention_step(Op op) {
+  return op == Op::sparse_decode ? Op::sparse_attend_decode : op;
+}
 
 enum class ScoreType : uint8_t { max = 0, lse = 1 };
 const char* score_type_name(ScoreType s);
@@ -49,11 +83,11 @@ const char* score_type_name(ScoreType s);
 struct Problem {
   Op op = Op::dense_extend;
   Device device{};
-  DType q_dtype = DType::f32;   // q, out (and index_q for index ops)
-  DType kv_dtype = DType::f32;  // k/v cache (and index-key cache for index ops)
+  DType q_dtype = DType::f32;   // q, out and index_q
+  DType kv_dtype = DType::f32;  // k/v cache and index-key cache
   int page_size = 16;
 
-  // attention ops (dense_*, sparse_attend_*)
+  // ops that read attention inputs (dense_*, sparse_attend_*, sparse_decode)
   int num_q_heads = 0;
   int num_kv_heads = 0;
   int head_dim = 0;
@@ -61,13 +95,14 @@ struct Problem {
   bool has_sink = false;   // tensors.sink is a per-q-head logit [num_q_heads] f32
   bool write_lse = false;  // tensors.lse [T, num_q_heads] f32 receives the natural-log LSE
 
-  // sparse ops (sparse_index_*, sparse_attend_*)
-  int num_index_heads = 0;  // H_idx; a multiple of num_kv_heads for sparse_attend
-  int index_dim = 0;        // D_idx (index ops)
+  // sparse ops (every op but dense_*); the index fields only for ops that read index inputs
+  // (sparse_index_*, sparse_decode)
+  int num_index_heads = 0;  // H_idx; a multiple of num_kv_heads where selected blocks are attended
+  int index_dim = 0;        // D_idx (index)
   int block_size = 0;       // B, tokens per scored block
   int topk = 0;             // K, blocks per (index head, row)
-  int init_blocks = 0;      // forced leading blocks (index ops)
-  int local_blocks = 0;     // forced trailing blocks (index ops)
+  int init_blocks = 0;      // forced leading blocks (index)
+  int local_blocks = 0;     // forced trailing blocks (index)
   ScoreType score_type = ScoreType::max;
   float index_scale = 0.0f;  // 0 means 1/sqrt(index_dim)
 
@@ -109,6 +144,8 @@ struct BatchLayout {
 //                              R = H_idx / Hkv.
 //   sparse_index_*:            index_q [T,H_idx,D_idx], index_k_cache [pages,page_size,1,D_idx],
 //                              topk [H_idx, T, K] i32 (output).
+//   sparse_decode:             every tensor of sparse_index_decode and of sparse_attend_decode;
+//                              topk is its output (written, then attended).
 struct Tensors {
   TensorView q, k_cache, v_cache, out, lse, sink;
   TensorView index_q, index_k_cache, topk;

@@ -11,8 +11,8 @@ namespace attnrt {
 
 namespace {
 constexpr const char* kOpNames[kNumOps] = {
-    "dense_extend",         "dense_decode",         "sparse_index_extend",
-    "sparse_index_decode",  "sparse_attend_extend", "sparse_attend_decode"};
+    "dense_extend",         "dense_decode",         "sparse_index_extend", "sparse_index_decode",
+    "sparse_attend_extend", "sparse_attend_decode", "sparse_decode"};
 }
 
 const char* op_name(Op op) {
@@ -43,7 +43,7 @@ std::string Problem::describe() const {
   std::ostringstream os;
   os << op_name(op) << " on " << device.str() << ": q " << dtype_name(q_dtype) << ", kv "
      << dtype_name(kv_dtype) << ", page_size " << page_size;
-  if (!is_index(op)) {
+  if (reads_attention_inputs(op)) {
     os << ", heads " << num_q_heads << "/" << num_kv_heads << ", head_dim " << head_dim
        << ", scale " << effective_sm_scale() << (has_sink ? ", sink" : "")
        << (write_lse ? ", lse" : "");
@@ -51,7 +51,7 @@ std::string Problem::describe() const {
   if (!is_dense(op)) {
     os << ", index_heads " << num_index_heads << ", block " << block_size << ", topk " << topk;
   }
-  if (is_index(op)) {
+  if (reads_index_inputs(op)) {
     os << ", index_dim " << index_dim << ", score " << score_type_name(score_type) << ", init "
        << init_blocks << ", local " << local_blocks << ", index_scale " << effective_index_scale();
   }
@@ -62,12 +62,12 @@ uint64_t Problem::signature() const {
   Hasher h;
   h.add(static_cast<int>(op)).add(static_cast<int>(device.kind)).add(device.index);
   h.add(static_cast<int>(q_dtype)).add(static_cast<int>(kv_dtype)).add(page_size);
-  if (!is_index(op)) {
+  if (reads_attention_inputs(op)) {
     h.add(num_q_heads).add(num_kv_heads).add(head_dim).add(effective_sm_scale());
     h.add(has_sink).add(write_lse);
   }
   if (!is_dense(op)) h.add(num_index_heads).add(block_size).add(topk);
-  if (is_index(op)) {
+  if (reads_index_inputs(op)) {
     h.add(index_dim).add(init_blocks).add(local_blocks).add(static_cast<int>(score_type));
     h.add(effective_index_scale());
   }

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <sstream>
 #include <string>
+#include <vector>
 
 #include "attnrt/errors.h"
 
@@ -65,6 +66,37 @@ void check_absent(const char* name, const TensorView& t, const char* why) {
   if (t.defined()) fail("tensor ", name, " is given but ", why);
 }
 
+// No output shares its buffer with an input or another output: a backend may write an output
+// before it has read every input (sparse_decode writes topk, then reads it).
+void check_outputs_apart(Op op, const Tensors& t) {
+  struct Named {
+    const char* name;
+    const TensorView* view;
+  };
+  std::vector<Named> outputs, others;
+  if (reads_attention_inputs(op)) {
+    outputs.push_back({"out", &t.out});
+    outputs.push_back({"lse", &t.lse});
+    others.insert(
+        others.end(),
+        {{"q", &t.q}, {"k_cache", &t.k_cache}, {"v_cache", &t.v_cache}, {"sink", &t.sink}});
+  }
+  if (reads_index_inputs(op)) {
+    outputs.push_back({"topk", &t.topk});
+    others.insert(others.end(), {{"index_q", &t.index_q}, {"index_k_cache", &t.index_k_cache}});
+  }
+  if (reads_topk_input(op)) others.push_back({"topk", &t.topk});
+  others.insert(others.begin(), outputs.begin(), outputs.end());
+  for (const Named& o : outputs) {
+    if (!o.view->defined()) continue;
+    for (const Named& x : others) {
+      if (x.view != o.view && x.view->data == o.view->data) {
+        fail("tensor ", o.name, " aliases ", x.name, " (expected a separate buffer)");
+      }
+    }
+  }
+}
+
 }  // namespace
 
 void validate_problem(const Problem& p) {
@@ -76,7 +108,7 @@ void validate_problem(const Problem& p) {
     fail("kv_dtype ", dtype_name(p.kv_dtype), " (expected f32, f16 or bf16)");
   }
   check_positive("page_size", p.page_size);
-  if (!is_index(p.op)) {
+  if (reads_attention_inputs(p.op)) {
     check_positive("num_q_heads", p.num_q_heads);
     check_positive("num_kv_heads", p.num_kv_heads);
     if (p.num_q_heads % p.num_kv_heads != 0) {
@@ -95,7 +127,7 @@ void validate_problem(const Problem& p) {
     check_positive("block_size", p.block_size);
     check_positive("topk", p.topk);
   }
-  if (is_index(p.op)) {
+  if (reads_index_inputs(p.op)) {
     if (p.index_dim < 1 || p.index_dim > kMaxHeadDim) {
       fail("index_dim ", p.index_dim, " (expected 1..", kMaxHeadDim, ")");
     }
@@ -112,7 +144,7 @@ void validate_problem(const Problem& p) {
       fail("index_scale ", p.index_scale, " (expected finite >= 0; 0 means 1/sqrt(index_dim))");
     }
   }
-  if (is_sparse_attend(p.op) && p.num_index_heads % p.num_kv_heads != 0) {
+  if (attends_selected_blocks(p.op) && p.num_index_heads % p.num_kv_heads != 0) {
     fail("num_index_heads ", p.num_index_heads, " % num_kv_heads ", p.num_kv_heads,
          " != 0 (expected num_index_heads a multiple of num_kv_heads)");
   }
@@ -190,41 +222,42 @@ void validate_tensors(const Problem& p, const BatchLayout& l, const MaxPage& max
            " (expected page ids < the pool's shape[0])");
     }
   };
-  if (is_index(p.op)) {
+  if (reads_index_inputs(p.op)) {
     check_tensor("index_q", t.index_q, p.q_dtype, dev, {T, p.num_index_heads, p.index_dim});
     check_tensor("index_k_cache", t.index_k_cache, p.kv_dtype, dev,
                  {-1, p.page_size, 1, p.index_dim});
     check_pool("index_k_cache", t.index_k_cache);
     check_tensor("topk", t.topk, DType::i32, dev, {p.num_index_heads, T, p.topk});
-    return;
   }
-  check_tensor("q", t.q, p.q_dtype, dev, {T, p.num_q_heads, p.head_dim});
-  check_tensor("k_cache", t.k_cache, p.kv_dtype, dev,
-               {-1, p.page_size, p.num_kv_heads, p.head_dim});
-  check_tensor("v_cache", t.v_cache, p.kv_dtype, dev,
-               {-1, p.page_size, p.num_kv_heads, p.head_dim});
-  if (t.v_cache.shape[0] != t.k_cache.shape[0]) {
-    fail("tensor v_cache pages ", t.v_cache.shape[0], " (expected ", t.k_cache.shape[0],
-         ", the pages of k_cache)");
+  if (reads_attention_inputs(p.op)) {
+    check_tensor("q", t.q, p.q_dtype, dev, {T, p.num_q_heads, p.head_dim});
+    check_tensor("k_cache", t.k_cache, p.kv_dtype, dev,
+                 {-1, p.page_size, p.num_kv_heads, p.head_dim});
+    check_tensor("v_cache", t.v_cache, p.kv_dtype, dev,
+                 {-1, p.page_size, p.num_kv_heads, p.head_dim});
+    if (t.v_cache.shape[0] != t.k_cache.shape[0]) {
+      fail("tensor v_cache pages ", t.v_cache.shape[0], " (expected ", t.k_cache.shape[0],
+           ", the pages of k_cache)");
+    }
+    check_pool("k_cache", t.k_cache);
+    check_tensor("out", t.out, p.q_dtype, dev, {T, p.num_q_heads, p.head_dim});
+    if (p.write_lse) {
+      check_tensor("lse", t.lse, DType::f32, dev, {T, p.num_q_heads});
+    } else {
+      check_absent("lse", t.lse, "write_lse is false (expected lse iff write_lse)");
+    }
+    if (p.has_sink) {
+      check_tensor("sink", t.sink, DType::f32, dev, {p.num_q_heads});
+    } else {
+      check_absent("sink", t.sink, "has_sink is false (expected sink iff has_sink)");
+    }
   }
-  check_pool("k_cache", t.k_cache);
-  check_tensor("out", t.out, p.q_dtype, dev, {T, p.num_q_heads, p.head_dim});
-  if (t.out.data == t.q.data || t.out.data == t.k_cache.data || t.out.data == t.v_cache.data) {
-    fail("tensor out aliases an input (expected a separate buffer)");
+  if (reads_topk_input(p.op)) {
+    check_tensor("topk", t.topk, DType::i32, dev, {p.num_index_heads, T, p.topk});
   }
-  if (p.write_lse) {
-    check_tensor("lse", t.lse, DType::f32, dev, {T, p.num_q_heads});
-  } else {
-    check_absent("lse", t.lse, "write_lse is false (expected lse iff write_lse)");
-  }
-  if (p.has_sink) {
-    check_tensor("sink", t.sink, DType::f32, dev, {p.num_q_heads});
-  } else {
-    check_absent("sink", t.sink, "has_sink is false (expected sink iff has_sink)");
-  }
-  if (!is_sparse_attend(p.op)) return;
-  check_tensor("topk", t.topk, DType::i32, dev, {p.num_index_heads, T, p.topk});
-  if (!dev.is_host()) return;
+  check_outputs_apart(p.op, t);
+  // A caller's selection is read on the host; an op that writes topk needs no rows checked.
+  if (!reads_topk_input(p.op) || !dev.is_host()) return;
   const int32_t* sel = static_cast<const int32_t*>(t.topk.data);
   for (int b = 0; b < l.num_requests(); ++b) {
     for (int64_t tok = 0; tok < l.q_len[b]; ++tok) {

@@ -29,8 +29,9 @@ struct MaxPage {
 MaxPage validate_layout(const Problem& problem, const BatchLayout& layout);
 
 // The tensors against problem and layout: presence, dtype, device (all on problem.device),
-// rank, shape, inner stride 1, page ids < pool pages, output not aliasing inputs. For host
-// tensors of sparse_attend, also the selection rows (ascending unique ids in range, -1 tail).
+// rank, shape, inner stride 1, page ids < pool pages, no output sharing a buffer with another
+// tensor. For a host topk that the caller provides (sparse_attend_*), also the selection rows
+// (ascending unique ids in range, -1 tail); sparse_decode writes its topk.
 void validate_tensors(const Problem& problem, const BatchLayout& layout, const MaxPage& max_page,
                       const Tensors& tensors);
 

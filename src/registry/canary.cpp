@@ -155,16 +155,19 @@ std::string run_canary(Backend& backend, const Problem& problem, Workspace& work
   // unavailable with the reason, never an error of the caller's plan().
   auto setup = [&] {
     data = std::make_unique<CanaryData>(backend, p.device);
-    if (is_index(p.op)) {
+    // sparse_decode gets the inputs of both steps; its topk is an output, compared like the
+    // indexer's, and the reference's sparse_decode is the oracle for topk, out and lse.
+    if (reads_index_inputs(p.op)) {
       input(host.index_q, dev.index_q, p.q_dtype, {T, p.num_index_heads, p.index_dim});
       input(host.index_k_cache, dev.index_k_cache, p.kv_dtype, {num_pages, ps, 1, p.index_dim});
       output(host.topk, dev.topk, DType::i32, {p.num_index_heads, T, p.topk});
-    } else {
+    }
+    if (reads_attention_inputs(p.op)) {
       input(host.q, dev.q, p.q_dtype, {T, p.num_q_heads, p.head_dim});
       input(host.k_cache, dev.k_cache, p.kv_dtype, {num_pages, ps, p.num_kv_heads, p.head_dim});
       input(host.v_cache, dev.v_cache, p.kv_dtype, {num_pages, ps, p.num_kv_heads, p.head_dim});
       if (p.has_sink) input(host.sink, dev.sink, DType::f32, {p.num_q_heads});
-      if (is_sparse_attend(p.op)) {
+      if (reads_topk_input(p.op)) {
         // A legal selection: per row, the query's own block plus random others, ascending.
         Buf& sel = data->make(DType::i32, {p.num_index_heads, T, p.topk});
         auto* s = reinterpret_cast<int32_t*>(sel.host.data());

@@ -39,7 +39,7 @@ attnrt_problem to_c(const Problem& p) {
   c.num_q_heads = p.num_q_heads;
   c.num_kv_heads = p.num_kv_heads;
   c.head_dim = p.head_dim;
-  c.sm_scale = is_index(p.op) ? 0.0f : p.effective_sm_scale();
+  c.sm_scale = reads_attention_inputs(p.op) ? p.effective_sm_scale() : 0.0f;
   c.has_sink = p.has_sink;
   c.write_lse = p.write_lse;
   c.num_index_heads = p.num_index_heads;
@@ -49,8 +49,13 @@ attnrt_problem to_c(const Problem& p) {
   c.init_blocks = p.init_blocks;
   c.local_blocks = p.local_blocks;
   c.score_type = static_cast<int32_t>(p.score_type);
-  c.index_scale = is_index(p.op) ? p.effective_index_scale() : 0.0f;
+  c.index_scale = reads_index_inputs(p.op) ? p.effective_index_scale() : 0.0f;
   return c;
+}
+
+// The ABI minor version that added `op` (plugin.h lists them).
+uint32_t abi_minor_of(Op op) {
+  return op == Op::sparse_decode ? 1u : 0u;
 }
 
 attnrt_layout to_c(const BatchLayout& l) {
@@ -116,7 +121,9 @@ class PluginMemory : public DeviceMemory {
 class PluginBackend : public Backend {
  public:
   explicit PluginBackend(std::shared_ptr<PluginLibrary> lib)
-      : lib_(std::move(lib)), name_(lib_->table->name) {
+      : lib_(std::move(lib)),
+        name_(lib_->table->name),
+        abi_minor_(lib_->table->abi_version & 0xffffu) {
     const auto* t = lib_->table;
     for (auto kind : {DeviceKind::cpu, DeviceKind::cuda}) {
       int32_t n = 0;
@@ -130,6 +137,7 @@ class PluginBackend : public Backend {
   std::vector<Device> devices() const override { return devices_; }
 
   Availability probe(const Problem& p) const override {
+    if (std::string why = predates(p.op); !why.empty()) return Availability::no(why);
     attnrt_problem c = to_c(p);
     int32_t s = lib_->table->probe(&c);
     if (s == ATTNRT_OK) return Availability::yes();
@@ -137,6 +145,9 @@ class PluginBackend : public Backend {
   }
 
   std::unique_ptr<BackendPlan> plan(const Problem& p, const BatchLayout& l, Workspace&) override {
+    // Callers probe first; this keeps an op the plugin cannot know from ever reaching it.
+    if (std::string why = predates(p.op); !why.empty())
+      throw BackendUnavailable(name_, op_name(p.op), p.device.str(), why);
     attnrt_problem c = to_c(p);
     attnrt_layout cl = to_c(l);
     attnrt_plan out = nullptr;
@@ -205,6 +216,15 @@ class PluginBackend : public Backend {
   }
 
  private:
+  // Why `op` is not served because the plugin's ABI minor version predates it ("" when it does
+  // not). Worded as plugin.h asks for an op a plugin never serves.
+  std::string predates(Op op) const {
+    const uint32_t needed = abi_minor_of(op);
+    if (abi_minor_ >= needed) return {};
+    return "op not served: plugin ABI " + std::to_string(ATTNRT_PLUGIN_ABI_MAJOR) + "." +
+           std::to_string(abi_minor_) + " predates " + op_name(op) + " (" +
+           std::to_string(ATTNRT_PLUGIN_ABI_MAJOR) + "." + std::to_string(needed) + ")";
+  }
   [[noreturn]] void fail(int32_t status, const char* what, const Problem& p) const {
     std::string msg = std::string(what) + " failed: " + lib_->error();
     if (status == ATTNRT_UNAVAILABLE) throw BackendUnavailable(name_, op_name(p.op), p.device.str(), msg);
@@ -221,6 +241,7 @@ class PluginBackend : public Backend {
 
   std::shared_ptr<PluginLibrary> lib_;
   std::string name_;
+  uint32_t abi_minor_;  // the plugin's, which may be below or above the host's
   std::vector<Device> devices_;
 };
 

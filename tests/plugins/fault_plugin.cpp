@@ -6,6 +6,8 @@
 // conversions are its own.
 //
 // NO_RUNTIME's init reports its runtime absent, as a GPU plugin does on a machine without one.
+// ABI_MINOR0 is the healthy plugin built for ABI 1.0, before sparse_decode (op 6) existed; its
+// probe would claim op 6, so a host that asked it anyway would show it.
 // FAKE_GPU and ALLOC_FAILS serve a pretend accelerator, cuda:0, whose "device memory" is host
 // memory: FAKE_GPU allocates it with malloc; ALLOC_FAILS fails every allocation, so its canary
 // cannot even be set up.
@@ -27,6 +29,14 @@
 #define SERVES_KIND ATTNRT_DEVICE_CUDA
 #else
 #define SERVES_KIND ATTNRT_DEVICE_CPU
+#endif
+
+#if defined(FAULT_WRONG_ABI)
+#define PLUGIN_ABI_VERSION (2u << 16)
+#elif defined(FAULT_ABI_MINOR0)
+#define PLUGIN_ABI_VERSION (ATTNRT_PLUGIN_ABI_MAJOR << 16)
+#else
+#define PLUGIN_ABI_VERSION ATTNRT_PLUGIN_ABI_VERSION
 #endif
 
 #if defined(FAULT_MISSING_DEP)
@@ -131,6 +141,9 @@ int32_t device_count(int32_t kind, int32_t* count) {
 int32_t probe(const attnrt_problem* p) {
   if (p->device.kind != SERVES_KIND || p->device.index != 0)
     return fail(ATTNRT_UNAVAILABLE, "serves one device only");
+#if defined(FAULT_ABI_MINOR0)
+  if (p->op == 6) return ATTNRT_OK;  // an op number ABI 1.0 does not have
+#endif
   if (p->op != ATTNRT_OP_DENSE_EXTEND && p->op != ATTNRT_OP_DENSE_DECODE)
     return fail(ATTNRT_UNAVAILABLE, "only dense ops");
   if (!is_float(p->q_dtype) || !is_float(p->kv_dtype))
@@ -283,11 +296,7 @@ int32_t run(attnrt_plan h, const attnrt_tensors* t, void*) {
 const char* last_error() { return g_error; }
 
 const attnrt_plugin_v1 kTable = {
-#if defined(FAULT_WRONG_ABI)
-    /* .abi_version = */ (2u << 16),
-#else
-    /* .abi_version = */ ATTNRT_PLUGIN_ABI_VERSION,
-#endif
+    /* .abi_version = */ PLUGIN_ABI_VERSION,
     /* .struct_size = */ sizeof(attnrt_plugin_v1),
     /* .name = */ PLUGIN_NAME,
     /* .priority = */ PLUGIN_PRIORITY,
@@ -326,11 +335,7 @@ const attnrt_plugin_v1 kTable = {
 }  // namespace
 
 extern "C" {
-#if defined(FAULT_WRONG_ABI)
-ATTNRT_PLUGIN_EXPORT extern const uint32_t attnrt_plugin_abi_version = (2u << 16);
-#else
-ATTNRT_PLUGIN_EXPORT extern const uint32_t attnrt_plugin_abi_version = ATTNRT_PLUGIN_ABI_VERSION;
-#endif
+ATTNRT_PLUGIN_EXPORT extern const uint32_t attnrt_plugin_abi_version = PLUGIN_ABI_VERSION;
 #if !defined(FAULT_MISSING_ENTRY)
 ATTNRT_PLUGIN_EXPORT const attnrt_plugin_v1* attnrt_plugin_get(void) { return &kTable; }
 #endif

@@ -897,6 +897,13 @@ struct CpuPlan : BackendPlan {
   size_t partial_floats = 0;  // per partial slot
 };
 
+// sparse_decode: the plans of its two steps (index_step, attention_step), run in sequence.
+struct SparseDecodePlan : BackendPlan {
+  uint64_t problem_signature = 0;
+  Problem index_problem, attention_problem;
+  std::unique_ptr<BackendPlan> index, attention;
+};
+
 inline size_t round16(size_t n) { return (n + 15) / 16 * 16; }
 
 inline const char* elem_ptr(const TensorView& t, int64_t elem_off) {
@@ -1158,9 +1165,9 @@ class CpuBackend final : public Backend {
     auto fdt = [](DType t) { return t == DType::f32 || t == DType::f16 || t == DType::bf16; };
     if (!fdt(p.q_dtype) || !fdt(p.kv_dtype))
       return Availability::no("cpu backend supports f32/f16/bf16 q and kv only");
-    if (is_index(p.op)) {
-      if (p.index_dim > kMaxDim) return Availability::no("cpu backend: index_dim > 256");
-    } else {
+    if (reads_index_inputs(p.op) && p.index_dim > kMaxDim)
+      return Availability::no("cpu backend: index_dim > 256");
+    if (reads_attention_inputs(p.op)) {
       if (p.head_dim > kMaxDim) return Availability::no("cpu backend: head_dim > 256");
       if (p.num_kv_heads > 0 && p.num_q_heads / p.num_kv_heads > kMaxG)
         return Availability::no("cpu backend: more than 64 q heads per kv head");
@@ -1168,11 +1175,23 @@ class CpuBackend final : public Backend {
     return Availability::yes();
   }
 
-  std::unique_ptr<BackendPlan> plan(const Problem& p, const BatchLayout& L, Workspace&) override {
+  std::unique_ptr<BackendPlan> plan(const Problem& p, const BatchLayout& L,
+                                    Workspace& ws) override {
+    if (p.op == Op::sparse_decode) {
+      // Composed of this backend's own two steps, so it equals their sequence bit for bit.
+      auto sp = std::make_unique<SparseDecodePlan>();
+      sp->problem_signature = p.signature();
+      sp->index_problem = sp->attention_problem = p;
+      sp->index_problem.op = index_step(p.op);
+      sp->attention_problem.op = attention_step(p.op);
+      sp->index = plan(sp->index_problem, L, ws);
+      sp->attention = plan(sp->attention_problem, L, ws);
+      return sp;
+    }
     auto pl = std::make_unique<CpuPlan>();
     pl->fingerprint = L.fingerprint();
     pl->problem_signature = p.signature();
-    if (is_index(p.op))
+    if (reads_index_inputs(p.op))
       plan_index(p, L, *pl);
     else
       plan_attend(p, L, *pl);
@@ -1184,6 +1203,16 @@ class CpuBackend final : public Backend {
 
   void run(const BackendPlan& plan, const Problem& p, const BatchLayout& L, const Tensors& t,
            Workspace& ws) override {
+    if (p.op == Op::sparse_decode) {
+      const auto* sp = dynamic_cast<const SparseDecodePlan*>(&plan);
+      if (!sp || sp->problem_signature != p.signature())
+        throw InvalidArgument("cpu backend: plan was built for a different problem");
+      // The indexer writes t.topk; sparse attention then reads it. Each step checks its plan
+      // against the layout.
+      run(*sp->index, sp->index_problem, L, t, ws);
+      run(*sp->attention, sp->attention_problem, L, t, ws);
+      return;
+    }
     const auto* cp = dynamic_cast<const CpuPlan*>(&plan);
     if (!cp || cp->fingerprint != L.fingerprint() || cp->problem_signature != p.signature())
       throw InvalidArgument("cpu backend: plan was built for a different problem or batch layout");
@@ -1193,7 +1222,7 @@ class CpuBackend final : public Backend {
     Workspace::Lease lease = ws.acquire(total * sizeof(float));
     float* scratch = lease.as<float>();
     float* partials = scratch + per_worker * pool_.size();
-    if (is_index(p.op)) {
+    if (reads_index_inputs(p.op)) {
       pool_.parallel_for(static_cast<int64_t>(cp->items.size()), [&](int64_t i, int w) {
         index_item(*cp, p, L, t, cp->items[i], scratch + per_worker * w);
       });
@@ -1211,7 +1240,7 @@ class CpuBackend final : public Backend {
  private:
   void plan_attend(const Problem& p, const BatchLayout& L, CpuPlan& pl) const {
     const int Hkv = p.num_kv_heads, G = p.num_q_heads / Hkv, D = p.head_dim;
-    const bool sparse = is_sparse_attend(p.op);
+    const bool sparse = attends_selected_blocks(p.op);
     // Extend: QT consecutive tokens per item (they share keys; sparse ones when their
     // selections agree). Decode: one token per request.
     const int QT = is_decode(p.op) ? 1 : std::max(1, kMaxRows / G);
@@ -1313,7 +1342,7 @@ class CpuBackend final : public Backend {
   // a run shares every K/V tile like dense extend does.
   void attend_item(const CpuPlan& cp, const Problem& p, const BatchLayout& L, const Tensors& t,
                    const Item& it, float* scratch, float* partials) const {
-    if (!is_sparse_attend(p.op)) {
+    if (!attends_selected_blocks(p.op)) {
       attend_rows(cp, p, L, t, it, it.row0, it.nrows, {}, scratch, partials);
       return;
     }
@@ -1399,7 +1428,7 @@ class CpuBackend final : public Backend {
 
     // Key segments of this item.
     std::vector<std::pair<int64_t, int64_t>> segs;
-    if (!is_sparse_attend(p.op)) {
+    if (!attends_selected_blocks(p.op)) {
       segs.emplace_back(0, last + 1);
     } else {
       const int B = p.block_size;

@@ -75,7 +75,7 @@ void attend_row(const Problem& pr, const BatchLayout& layout, const Tensors& t, 
 void compute_attend(const Problem& pr, const BatchLayout& layout, const Tensors& t) {
   const int hq = pr.num_q_heads, hkv = pr.num_kv_heads;
   const int group = hq / hkv;
-  const bool sparse = is_sparse_attend(pr.op);
+  const bool sparse = attends_selected_blocks(pr.op);
   const int r_idx = sparse ? pr.num_index_heads / hkv : 0;
   for (int b = 0; b < layout.num_requests(); ++b) {
     const int64_t kv = layout.kv_len[b], ql = layout.q_len[b];
@@ -189,11 +189,9 @@ class ReferenceBackend final : public Backend {
 }  // namespace
 
 void reference_compute(const Problem& problem, const BatchLayout& layout, const Tensors& tensors) {
-  if (is_index(problem.op)) {
-    compute_index(problem, layout, tensors);
-  } else {
-    compute_attend(problem, layout, tensors);
-  }
+  // sparse_decode does both, in this order: attention reads the topk the indexer just wrote.
+  if (reads_index_inputs(problem.op)) compute_index(problem, layout, tensors);
+  if (reads_attention_inputs(problem.op)) compute_attend(problem, layout, tensors);
 }
 
 std::unique_ptr<Backend> make_reference_backend() { return std::make_unique<ReferenceBackend>(); }
