@@ -456,6 +456,72 @@ AttendOut run_attend(int op, const Batch& B, const SparseParams& S, const Paging
   return r;
 }
 
+// sparse_decode (indexer, then attend on its selections, in one call) through `plug` (default:
+// the binary's plugin): both its outputs, from two runs that must agree bit for bit, each over
+// poisoned topk, out and lse; *ms as run_index.
+struct SparseDecodeOut {
+  std::vector<int32_t> topk;
+  AttendOut att;
+};
+SparseDecodeOut run_sparse_decode(const Batch& B, const SparseParams& S, const Paging& P,
+                                  double* ms = nullptr, int timed = 0,
+                                  const attnrt_plugin_v1* plug = nullptr) {
+  const attnrt_plugin_v1* pg = plug ? plug : g_plugin;
+  attnrt_problem p = problem_of(ATTNRT_OP_SPARSE_DECODE, B, S, P.ps);
+  attnrt_layout L = layout_of(B, P);
+  SparseDecodeOut r;
+  r.topk.resize(static_cast<size_t>(B.hidx) * B.T * S.K);
+  r.att.o.resize(static_cast<size_t>(B.T) * B.hq * B.d);
+  r.att.lse.resize(static_cast<size_t>(B.T) * B.hq);
+  EXPECT_EQ(pg->probe(&p), ATTNRT_OK) << pg->last_error();
+  attnrt_plan plan = nullptr;
+  EXPECT_EQ(pg->plan(&p, &L, &plan), ATTNRT_OK) << pg->last_error();
+  if (!plan) return r;
+  const std::vector<uint16_t> ikp = to_pool(B, P, B.ik, 1, B.didx),
+                              kp = to_pool(B, P, B.k, B.hkv, B.d),
+                              vp = to_pool(B, P, B.v, B.hkv, B.d);
+  Dev diq(B.iq.size() * 2), dik(ikp.size() * 2), dq(B.q.size() * 2), dk(kp.size() * 2),
+      dv(vp.size() * 2), dt(r.topk.size() * 4), dout(r.att.o.size() * 2),
+      dlse(r.att.lse.size() * 4), dsink(B.sink.size() * 4);
+  diq.up(B.iq.data(), B.iq.size() * 2);
+  dik.up(ikp.data(), ikp.size() * 2);
+  dq.up(B.q.data(), B.q.size() * 2);
+  dk.up(kp.data(), kp.size() * 2);
+  dv.up(vp.data(), vp.size() * 2);
+  dsink.up(B.sink.data(), B.sink.size() * 4);
+  attnrt_tensors ts{};
+  ts.index_q = tensor(diq.p, B.dtype, 3, {B.T, B.hidx, B.didx});
+  ts.index_k_cache = tensor(dik.p, B.dtype, 4, {P.num_pages, P.ps, 1, B.didx});
+  ts.topk = tensor(dt.p, ATTNRT_I32, 3, {B.hidx, B.T, S.K});
+  ts.q = tensor(dq.p, B.dtype, 3, {B.T, B.hq, B.d});
+  ts.k_cache = tensor(dk.p, B.dtype, 4, {P.num_pages, P.ps, B.hkv, B.d});
+  ts.v_cache = tensor(dv.p, B.dtype, 4, {P.num_pages, P.ps, B.hkv, B.d});
+  ts.out = tensor(dout.p, B.dtype, 3, {B.T, B.hq, B.d});
+  if (S.lse) ts.lse = tensor(dlse.p, ATTNRT_F32, 2, {B.T, B.hq});
+  if (S.sink) ts.sink = tensor(dsink.p, ATTNRT_F32, 1, {B.hq});
+  SparseDecodeOut first;
+  for (int rep = 0; rep < 2; ++rep) {
+    std::vector<int32_t> tp(r.topk.size(), -7);
+    std::vector<uint16_t> op(r.att.o.size(), 0x7fc1);
+    std::vector<float> lp(r.att.lse.size(), std::numeric_limits<float>::quiet_NaN());
+    dt.up(tp.data(), tp.size() * 4);
+    dout.up(op.data(), op.size() * 2);
+    dlse.up(lp.data(), lp.size() * 4);
+    EXPECT_EQ(pg->run(plan, &ts, nullptr), ATTNRT_OK) << pg->last_error();
+    EXPECT_EQ(pg->synchronize({1, 0}), ATTNRT_OK) << pg->last_error();
+    dt.down(r.topk.data(), r.topk.size() * 4);
+    dout.down(r.att.o.data(), r.att.o.size() * 2);
+    dlse.down(r.att.lse.data(), r.att.lse.size() * 4);
+    if (rep == 0) first = r;
+  }
+  EXPECT_TRUE(first.topk == r.topk && first.att.o == r.att.o &&
+              std::memcmp(first.att.lse.data(), r.att.lse.data(), r.att.lse.size() * 4) == 0)
+      << "sparse_decode repeat not bit-identical";
+  if (ms && timed > 0) *ms = queued_ms(pg, plan, ts, timed);
+  pg->destroy_plan(plan);
+  return r;
+}
+
 // Elementwise allclose(atol = rtol = 5e-3) and lse within 1e-3; *worst: the max abs error.
 void expect_close(const Batch& B, const SparseParams& S, const AttendOut& got,
                   const std::vector<double>& ro, const std::vector<double>& rl, double* worst) {

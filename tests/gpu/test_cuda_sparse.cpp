@@ -199,6 +199,36 @@ TEST(CudaSparse, ShortContextEqualsDense) {
   }
 }
 
+// sparse_decode is the two decode ops in sequence: the same top-k and the same output bits as
+// the indexer's call followed by sparse attend on its selections (GQA group of 4, two index heads
+// per KV head: the union path; top-k 5; sink and lse).
+TEST(CudaSparse, SparseDecodeEqualsIndexThenAttend) {
+  REQUIRE_GPU();
+  for (int dtype : {ATTNRT_BF16, ATTNRT_F16}) {
+    SCOPED_TRACE(dtype);
+    const Batch B = make_batch(dtype, 8, 2, 4, 64, 64, {1, 1, 1}, {5000, 77, 12345}, 41 + dtype);
+    SparseParams S;
+    S.B = 64;
+    S.K = 5;
+    S.init = 1;
+    S.local = 2;
+    S.sink = true;
+    S.lse = true;
+    const Paging P = make_paging(B, 32, 8);
+    const SparseDecodeOut got = run_sparse_decode(B, S, P);
+    const std::vector<int32_t> topk = run_index(B, S, P, true);
+    EXPECT_EQ(got.topk, topk);
+    const AttendOut two = run_attend(ATTNRT_OP_SPARSE_ATTEND_DECODE, B, S, P, &topk);
+    EXPECT_TRUE(got.att.o == two.o &&
+                std::memcmp(got.att.lse.data(), two.lse.data(), two.lse.size() * 4) == 0)
+        << "sparse_decode differs from index then attend";
+    std::vector<double> ro, rl;
+    ref_attend(B, S, &got.topk, true, ro, rl);
+    double w = 0;
+    expect_close(B, S, got.att, ro, rl, &w);
+  }
+}
+
 // Long-context decode, M3 per-rank shape, indexer + attend, checked against the reference.
 TEST(CudaSparse, LongContextDecode) {
   REQUIRE_GPU();

@@ -1,5 +1,6 @@
 // CUDA MiniMax sparse ops (spec/minimax-sparse.md §3-§5) for the CUDA plugin: the block indexer
-// (sparse_index_extend/decode) and sparse attend (sparse_attend_extend/decode).
+// (sparse_index_extend/decode), sparse attend (sparse_attend_extend/decode) and sparse_decode
+// (the two decode ops in sequence).
 //
 // cuda_plugin.cu calls only the six functions below. A sparse plan starts with its
 // attnrt_problem (like the dense plan), so the plugin dispatches run/destroy on plan->op.
@@ -19,6 +20,8 @@ namespace attnrt_cuda_sparse {
 using attnrt_cuda_common::is_decode_op;
 using attnrt_cuda_common::is_index_op;
 using attnrt_cuda_common::is_sparse_op;
+using attnrt_cuda_common::reads_attention_inputs;
+using attnrt_cuda_common::reads_index_inputs;
 
 // OK when plan/run serve this problem on a device of compute capability cc_major.x.
 int32_t probe(const attnrt_problem* p, int cc_major, char* err, size_t cap);

@@ -1,5 +1,7 @@
 // Host side of the CUDA sparse ops: probe (limits by name), plan (device metadata, work items,
 // score and split buffers, all sized from the layout), run (argument checks, launches).
+// sparse_decode is served as its definition reads: a decode-indexer plan and a decode-attend
+// plan, run one after the other on the same stream.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -53,6 +55,18 @@ struct SparsePlan {
   IndexItem* d_items = nullptr;
   float *d_scores = nullptr, *d_part_o = nullptr, *d_part_lse = nullptr;
 };
+
+// sparse_decode: the two plans it runs.
+struct ComposedPlan {
+  attnrt_problem problem{};  // first member, as in SparsePlan
+  attnrt_plan index = nullptr, attend = nullptr;
+};
+
+attnrt_problem with_op(const attnrt_problem& p, int32_t op) {
+  attnrt_problem q = p;
+  q.op = op;
+  return q;
+}
 
 void free_plan(SparsePlan* p) {
   if (!p) return;
@@ -184,13 +198,13 @@ int32_t probe(const attnrt_problem* p, int cc_major, char* err, size_t cap) {
   if (p->topk < 1) return say(err, cap, ATTNRT_UNAVAILABLE, "topk %d < 1", p->topk);
   if (p->num_index_heads < 1)
     return say(err, cap, ATTNRT_UNAVAILABLE, "num_index_heads %d < 1", p->num_index_heads);
-  if (is_index_op(p->op)) {
+  if (reads_index_inputs(p->op)) {
     if (p->index_dim != 32 && p->index_dim != 64 && p->index_dim != 128)
       return say(err, cap, ATTNRT_UNAVAILABLE,
                  "index_dim %d not supported by cuda sparse (32, 64, 128)", p->index_dim);
     if (p->score_type != 0 && p->score_type != 1)
       return say(err, cap, ATTNRT_UNAVAILABLE, "score_type %d unknown", p->score_type);
-    return ATTNRT_OK;
+    if (!reads_attention_inputs(p->op)) return ATTNRT_OK;
   }
   if (p->head_dim != 64 && p->head_dim != 128)
     return say(err, cap, ATTNRT_UNAVAILABLE, "head_dim %d not supported by cuda sparse (64, 128)",
@@ -212,6 +226,21 @@ int32_t probe(const attnrt_problem* p, int cc_major, char* err, size_t cap) {
 
 int32_t plan(const attnrt_problem* p, const attnrt_layout* L, int sms, attnrt_plan* out,
              char* err, size_t cap) {
+  if (p->op == ATTNRT_OP_SPARSE_DECODE) {
+    ComposedPlan* c = new (std::nothrow) ComposedPlan{};
+    if (!c) return say(err, cap, ATTNRT_INTERNAL, "out of host memory");
+    c->problem = *p;
+    const attnrt_problem ip = with_op(*p, ATTNRT_OP_SPARSE_INDEX_DECODE);
+    const attnrt_problem ap = with_op(*p, ATTNRT_OP_SPARSE_ATTEND_DECODE);
+    int32_t s = plan(&ip, L, sms, &c->index, err, cap);
+    if (s == ATTNRT_OK) s = plan(&ap, L, sms, &c->attend, err, cap);
+    if (s != ATTNRT_OK) {
+      destroy(reinterpret_cast<attnrt_plan>(c));
+      return s;
+    }
+    *out = reinterpret_cast<attnrt_plan>(c);
+    return ATTNRT_OK;
+  }
   try {
     SparsePlan* pl = new (std::nothrow) SparsePlan{};
     if (!pl) return say(err, cap, ATTNRT_INTERNAL, "out of host memory");
@@ -227,6 +256,13 @@ int32_t plan(const attnrt_problem* p, const attnrt_layout* L, int sms, attnrt_pl
 }
 
 int32_t update(attnrt_plan plan, const attnrt_layout* L, char* err, size_t cap) {
+  if (reinterpret_cast<const attnrt_problem*>(plan)->op == ATTNRT_OP_SPARSE_DECODE) {
+    const ComposedPlan* c = reinterpret_cast<const ComposedPlan*>(plan);
+    // The indexer's check covers the attend's (same requests, pages and blocks), so a refusal
+    // comes before either plan changes.
+    if (int32_t s = update(c->index, L, err, cap); s != ATTNRT_OK) return s;
+    return update(c->attend, L, err, cap);
+  }
   SparsePlan* pl = reinterpret_cast<SparsePlan*>(plan);
   const attnrt_problem& p = pl->problem;
   if (!is_decode_op(p.op))
@@ -262,6 +298,11 @@ int32_t update(attnrt_plan plan, const attnrt_layout* L, char* err, size_t cap) 
 }
 
 int32_t run(attnrt_plan plan, const attnrt_tensors* t, void* stream, char* err, size_t cap) {
+  if (reinterpret_cast<const attnrt_problem*>(plan)->op == ATTNRT_OP_SPARSE_DECODE) {
+    const ComposedPlan* c = reinterpret_cast<const ComposedPlan*>(plan);
+    if (int32_t s = run(c->index, t, stream, err, cap); s != ATTNRT_OK) return s;
+    return run(c->attend, t, stream, err, cap);
+  }
   const SparsePlan& pl = *reinterpret_cast<const SparsePlan*>(plan);
   const attnrt_problem& p = pl.problem;
   SCK(cudaSetDevice(p.device.index));
@@ -346,6 +387,15 @@ int32_t run(attnrt_plan plan, const attnrt_tensors* t, void* stream, char* err, 
   return ATTNRT_OK;
 }
 
-void destroy(attnrt_plan plan) { free_plan(reinterpret_cast<SparsePlan*>(plan)); }
+void destroy(attnrt_plan plan) {
+  if (plan && reinterpret_cast<const attnrt_problem*>(plan)->op == ATTNRT_OP_SPARSE_DECODE) {
+    ComposedPlan* c = reinterpret_cast<ComposedPlan*>(plan);
+    destroy(c->index);
+    destroy(c->attend);
+    delete c;
+    return;
+  }
+  free_plan(reinterpret_cast<SparsePlan*>(plan));
+}
 
 }  // namespace attnrt_cuda_sparse
