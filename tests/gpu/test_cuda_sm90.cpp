@@ -2,7 +2,8 @@
 // its indexer and sparse attend, decode and extend, against the double-precision references of
 // sparse_harness.h (top-k ascending, unique, -1 padded, equal as sets up to near-ties, forced
 // blocks in; outputs within atol = rtol = 5e-3, lse 1e-3; repeats bit-identical; outputs
-// poisoned), both ops captured in one CUDA graph and replayed after update_plan, a 512k context,
+// poisoned), sparse_decode (both in one launch) likewise, both ops or sparse_decode captured in
+// one CUDA graph and replayed after update_plan, a 512k context,
 // the probe's reasons by name, and run() refusing (before writing) a cache whose pages are not
 // contiguous.
 // Every test skips without a CUDA device; on a device other than sm_90 only the probe test runs.
@@ -261,6 +262,56 @@ TEST(CudaSm90, IndexDecodeLargeBatch) {
   check_topk(B, S, run_index(B, S, P, true), ref_scores(B, S), &ties);
 }
 
+// sparse_decode, the indexer and attend in one launch: its top-k against the reference scores,
+// its output against the reference attention over the top-k it wrote. Cases cover every path of
+// the kernel: a context of at most 16 blocks (all taken, no barrier), one request, ragged batches
+// with several CTAs per request (a CTA may rank 0, 1 or several blocks into the top 16), a batch
+// past one wave of CTAs (one CTA per request attends all 16), sink and lse on and off, f16.
+TEST(CudaSm90, SparseDecodeMatchesReference) {
+  REQUIRE_HOPPER();
+  struct C {
+    int dtype;
+    bool sink, lse;
+    int init, local;
+    std::vector<int32_t> kv;
+  };
+  auto ragged = [](int n, int max_kv, uint32_t seed) {
+    std::mt19937 rng(seed);
+    std::vector<int32_t> kv;
+    for (int b = 0; b < n; ++b) kv.push_back(1 + static_cast<int>(rng() % max_kv));
+    return kv;
+  };
+  const C cases[] = {
+      {ATTNRT_BF16, false, true, 0, 1, {300}},
+      {ATTNRT_BF16, true, true, 1, 2, {4000, 130, 9001, 2048}},
+      {ATTNRT_F16, true, false, 0, 1, {20000, 7777, 1}},
+      {ATTNRT_BF16, false, true, 1, 1, {65536}},
+      {ATTNRT_BF16, true, true, 2, 4, ragged(20, 40000, 1)},
+      {ATTNRT_F16, false, true, 0, 1, ragged(70, 30000, 2)},
+      {ATTNRT_BF16, true, true, 1, 1, ragged(420, 6000, 3)},
+  };
+  int it = 0;
+  for (const C& c : cases) {
+    SCOPED_TRACE(it);
+    const Batch B = make_batch(c.dtype, 16, 1, 1, 128, 128, std::vector<int32_t>(c.kv.size(), 1),
+                               c.kv, 900 + it, true, true);
+    SparseParams S = m3_params(c.init, c.local);
+    S.sink = c.sink;
+    S.lse = c.lse;
+    const Paging P = make_paging(B, 128, 31 + it);
+    const SparseDecodeOut got = run_sparse_decode(B, S, P);
+    int ties = 0;
+    check_topk(B, S, got.topk, ref_scores(B, S), &ties);
+    std::vector<double> ro, rl;
+    ref_attend(B, S, &got.topk, true, ro, rl);
+    double worst = 0;
+    expect_close(B, S, got.att, ro, rl, &worst);
+    std::printf("sm90 sparse_decode case %d (%zu requests): max abs err %.2e, near-tie rows %d\n",
+                it, c.kv.size(), worst, ties);
+    ++it;
+  }
+}
+
 TEST(CudaSm90, LongContextDecode) {
   REQUIRE_HOPPER();
   int ctx = 524288;
@@ -302,11 +353,11 @@ TEST(CudaSm90, RunRefusesNonContiguousPages) {
   g_plugin->destroy_plan(plan);
 }
 
-// The indexer and sparse attend of a decode step captured once in a CUDA graph, replayed after
-// update_plan with new lengths (new blocks appear) and twice per step: the completion counters
-// reset themselves, so every replay selects and attends afresh.
-TEST(CudaSm90, GraphReplaysWithNewLengths) {
-  REQUIRE_HOPPER();
+// The indexer and sparse attend of a decode step (two calls, or one sparse_decode) captured once
+// in a CUDA graph, replayed after update_plan with new lengths (new blocks appear) and twice per
+// step: the completion counters reset themselves, so every replay selects and attends afresh.
+// fused: the step as one sparse_decode call.
+void check_graph_replays(bool fused) {
   const SparseParams S = m3_params(1, 1);
   const std::vector<int32_t> longest = {9000, 30000, 2100};
   const Batch Bmax = make_batch(ATTNRT_BF16, 16, 1, 1, 128, 128, {1, 1, 1}, longest, 31);
@@ -321,9 +372,12 @@ TEST(CudaSm90, GraphReplaysWithNewLengths) {
   SparseParams Sa = S;
   Sa.sink = true;
   const attnrt_problem pa = problem_of(ATTNRT_OP_SPARSE_ATTEND_DECODE, B, Sa, 128);
-  attnrt_plan plan = nullptr, plan_a = nullptr;
-  ASSERT_EQ(g_plugin->plan(&pi, &L, &plan), ATTNRT_OK) << g_plugin->last_error();
-  ASSERT_EQ(g_plugin->plan(&pa, &L, &plan_a), ATTNRT_OK) << g_plugin->last_error();
+  const attnrt_problem pf = problem_of(ATTNRT_OP_SPARSE_DECODE, B, Sa, 128);
+  attnrt_plan plan = nullptr, plan_a = nullptr;  // fused: plan alone
+  ASSERT_EQ(g_plugin->plan(fused ? &pf : &pi, &L, &plan), ATTNRT_OK) << g_plugin->last_error();
+  if (!fused) {
+    ASSERT_EQ(g_plugin->plan(&pa, &L, &plan_a), ATTNRT_OK) << g_plugin->last_error();
+  }
   const std::vector<uint16_t> ikp = to_pool(Bmax, Pmax, Bmax.ik, 1, 128);
   const std::vector<uint16_t> kp = to_pool(Bmax, Pmax, Bmax.k, 1, 128),
                               vp = to_pool(Bmax, Pmax, Bmax.v, 1, 128);
@@ -349,12 +403,16 @@ TEST(CudaSm90, GraphReplaysWithNewLengths) {
   ta.lse = tensor(dlse.p, ATTNRT_F32, 2, {B.T, 16});
   ta.sink = tensor(dsink.p, ATTNRT_F32, 1, {16});
   ta.topk = ti.topk;
+  if (fused) {
+    ta.index_q = ti.index_q;
+    ta.index_k_cache = ti.index_k_cache;
+  }
   cudaStream_t st;
   ASSERT_EQ(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), cudaSuccess);
   cudaGraph_t graph;
   ASSERT_EQ(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal), cudaSuccess);
-  const int32_t r = g_plugin->run(plan, &ti, st);
-  const int32_t ra = g_plugin->run(plan_a, &ta, st);
+  const int32_t r = g_plugin->run(plan, fused ? &ta : &ti, st);
+  const int32_t ra = fused ? ATTNRT_OK : g_plugin->run(plan_a, &ta, st);
   ASSERT_EQ(cudaStreamEndCapture(st, &graph), cudaSuccess);
   ASSERT_EQ(r, ATTNRT_OK) << g_plugin->last_error();
   ASSERT_EQ(ra, ATTNRT_OK) << g_plugin->last_error();
@@ -366,7 +424,9 @@ TEST(CudaSm90, GraphReplaysWithNewLengths) {
     L = layout_of(B, P);
     if (i > 0) {
       ASSERT_EQ(g_plugin->update_plan(plan, &L), ATTNRT_OK) << g_plugin->last_error();
-      ASSERT_EQ(g_plugin->update_plan(plan_a, &L), ATTNRT_OK) << g_plugin->last_error();
+      if (!fused) {
+        ASSERT_EQ(g_plugin->update_plan(plan_a, &L), ATTNRT_OK) << g_plugin->last_error();
+      }
     }
     for (int rep = 0; rep < 2; ++rep) {  // a second replay of the same step: counters reset
       std::vector<int32_t> poison(n_topk, -7), topk(n_topk);
@@ -401,10 +461,21 @@ TEST(CudaSm90, GraphReplaysWithNewLengths) {
   g_plugin->destroy_plan(plan_a);
 }
 
+TEST(CudaSm90, GraphReplaysWithNewLengths) {
+  REQUIRE_HOPPER();
+  check_graph_replays(false);
+}
+
+TEST(CudaSm90, SparseDecodeGraphReplaysWithNewLengths) {
+  REQUIRE_HOPPER();
+  check_graph_replays(true);
+}
+
 // What graph_step_ms captures: the indexer, the sparse attend (on the indexer's selections, made
 // before the capture), or both, as one decode step of a sparse layer runs them; or a 4-byte
 // memset, the floor that launching any one-node graph costs in this measurement.
-enum GraphOps { kGraphIndex = 1, kGraphAttend = 2, kGraphStep = 3, kGraphFloor = 4 };
+// kGraphFused: the step as the one sparse_decode call.
+enum GraphOps { kGraphIndex = 1, kGraphAttend = 2, kGraphStep = 3, kGraphFloor = 4, kGraphFused = 8 };
 
 // `ops` of one decode step through `plug`, captured in a CUDA graph and replayed `reps` times,
 // each after a 256 MB memset that evicts L2 (cold cache, as the peer numbers in issue 6 are
@@ -413,11 +484,17 @@ double graph_step_ms(const attnrt_plugin_v1* plug, const Batch& B, const SparseP
                      const Paging& P, int reps, int ops = kGraphStep) {
   const attnrt_problem pi = problem_of(ATTNRT_OP_SPARSE_INDEX_DECODE, B, S, 128);
   const attnrt_problem pa = problem_of(ATTNRT_OP_SPARSE_ATTEND_DECODE, B, S, 128);
+  const attnrt_problem pf = problem_of(ATTNRT_OP_SPARSE_DECODE, B, S, 128);
   attnrt_layout L = layout_of(B, P);
   attnrt_plan plan_i = nullptr, plan_a = nullptr;
-  EXPECT_EQ(plug->plan(&pi, &L, &plan_i), ATTNRT_OK) << plug->last_error();
-  EXPECT_EQ(plug->plan(&pa, &L, &plan_a), ATTNRT_OK) << plug->last_error();
-  if (!plan_i || !plan_a) return NAN;
+  if (ops == kGraphFused) {  // plan_i runs the whole step
+    EXPECT_EQ(plug->plan(&pf, &L, &plan_i), ATTNRT_OK) << plug->last_error();
+    if (!plan_i) return NAN;
+  } else {
+    EXPECT_EQ(plug->plan(&pi, &L, &plan_i), ATTNRT_OK) << plug->last_error();
+    EXPECT_EQ(plug->plan(&pa, &L, &plan_a), ATTNRT_OK) << plug->last_error();
+    if (!plan_i || !plan_a) return NAN;
+  }
   const std::vector<uint16_t> ikp = to_pool(B, P, B.ik, 1, 128), kp = to_pool(B, P, B.k, 1, 128),
                               vp = to_pool(B, P, B.v, 1, 128);
   Dev diq(B.iq.size() * 2), dik(ikp.size() * 2), dq(B.q.size() * 2), dk(kp.size() * 2),
@@ -438,6 +515,11 @@ double graph_step_ms(const attnrt_plugin_v1* plug, const Batch& B, const SparseP
   ta.out = tensor(dout.p, B.dtype, 3, {B.T, 16, 128});
   if (S.lse) ta.lse = tensor(dlse.p, ATTNRT_F32, 2, {B.T, 16});
   ta.topk = ti.topk;
+  if (ops == kGraphFused) {  // one call reads and writes both sets
+    ta.index_q = ti.index_q;
+    ta.index_k_cache = ti.index_k_cache;
+    ti = ta;
+  }
   cudaStream_t st;
   cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking);
   cudaGraph_t graph;
@@ -447,7 +529,7 @@ double graph_step_ms(const attnrt_plugin_v1* plug, const Batch& B, const SparseP
   }
   cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal);
   if (ops == kGraphFloor) cudaMemsetAsync(dt.p, 0, 4, st);
-  const int32_t r1 = ops & kGraphIndex ? plug->run(plan_i, &ti, st) : ATTNRT_OK;
+  const int32_t r1 = ops & (kGraphIndex | kGraphFused) ? plug->run(plan_i, &ti, st) : ATTNRT_OK;
   const int32_t r2 = ops & kGraphAttend ? plug->run(plan_a, &ta, st) : ATTNRT_OK;
   EXPECT_EQ(cudaStreamEndCapture(st, &graph), cudaSuccess);
   EXPECT_EQ(r1, ATTNRT_OK) << plug->last_error();
@@ -502,16 +584,19 @@ bool read_phases(const char* symbol, PhaseTable* out) {
   for (std::string name; std::getline(in, name, ',');) out->names.push_back(name);
   return true;
 }
-void print_phases(const char* shape) {
+// Two launches (indexer, attend) or, fused, the sparse_decode kernel alone.
+void print_phases(const char* shape, bool fused) {
   PhaseTable ix, at;
-  if (!read_phases("attnrt_phase_sm90_index_decode", &ix) ||
-      !read_phases("attnrt_phase_sm90_attend_decode", &at))
+  if (fused ? !read_phases("attnrt_phase_sm90_sparse_decode", &ix)
+            : !read_phases("attnrt_phase_sm90_index_decode", &ix) ||
+                  !read_phases("attnrt_phase_sm90_attend_decode", &at))
     return;
   uint64_t t0 = UINT64_MAX;
   for (size_t c = 0; c < ix.t.size(); c += kPhaseSlots)
     if (ix.t[c] != 0) t0 = std::min(t0, ix.t[c]);
   if (t0 == UINT64_MAX) return;
-  const std::pair<const char*, PhaseTable*> tables[] = {{"indexer", &ix}, {"attend", &at}};
+  const std::pair<const char*, PhaseTable*> tables[] = {{fused ? "fused" : "indexer", &ix},
+                                                         {"attend", &at}};
   for (const auto& [tag, tab] : tables) {
     for (size_t slot = 0; slot < tab->names.size(); ++slot) {
       std::vector<double> us;
@@ -576,19 +661,24 @@ TEST(CudaSm90, BenchM3) {
                 s.name, t_fast, bytes / t_fast / 1e9, t_gen, t_gen / t_fast, a_fast, a_gen,
                 a_gen / a_fast, t_fast + a_fast, t_gen + a_gen, (t_gen + a_gen) / (t_fast + a_fast),
                 a == g ? "yes" : "no (near-ties)");
+    const SparseDecodeOut fo = run_sparse_decode(B, S, P);
+    EXPECT_EQ(fo.topk, a) << "sparse_decode selected other blocks than the indexer";
     PhaseTable stale;  // profiling builds: earlier launches' stamps out of the way
-    read_phases("attnrt_phase_sm90_index_decode", &stale);
-    read_phases("attnrt_phase_sm90_attend_decode", &stale);
+    for (const char* t : {"attnrt_phase_sm90_index_decode", "attnrt_phase_sm90_attend_decode",
+                          "attnrt_phase_sm90_sparse_decode"})
+      read_phases(t, &stale);
     const double gf = graph_step_ms(g_plugin, B, S, P, 20);
-    print_phases(s.name);
+    print_phases(s.name, false);
+    const double gx = graph_step_ms(g_plugin, B, S, P, 20, kGraphFused);
+    print_phases(s.name, true);
     const double gg = graph_step_ms(generic, B, S, P, 20);
     const double gi = graph_step_ms(g_plugin, B, S, P, 20, kGraphIndex),
                  ga = graph_step_ms(g_plugin, B, S, P, 20, kGraphAttend),
                  g0 = graph_step_ms(g_plugin, B, S, P, 20, kGraphFloor);
-    std::printf("BENCH sm90 %-16s one step in a CUDA graph, cold L2 (median of 20): fast %8.4f ms  "
-                "generic %8.4f ms (%.2fx); fast indexer alone %8.4f, attend alone %8.4f; "
-                "one-memset graph %8.4f\n",
-                s.name, gf, gg, gg / gf, gi, ga, g0);
+    std::printf("BENCH sm90 %-16s one step in a CUDA graph, cold L2 (median of 20): sparse_decode "
+                "%8.4f ms  two launches %8.4f ms  generic %8.4f ms (%.2fx of sparse_decode); "
+                "fast indexer alone %8.4f, attend alone %8.4f; one-memset graph %8.4f\n",
+                s.name, gx, gf, gg, gg / gx, gi, ga, g0);
     std::fflush(stdout);
   }
 }

@@ -26,34 +26,25 @@
 #include "attend_decode.h"
 #include "cuda_common/grid_dependency.cuh"
 #include "cuda_common/kernel_attr.h"
-#include "cuda_common/mma_sm80.cuh"
 #include "cuda_common/phase_trace.cuh"
-#include "cuda_common/softmax_state.cuh"
-#include "cuda_common/warp_tile.cuh"
+#include "decode_block_attend.cuh"
 #include "index_decode.h"
 
 namespace attnrt_cuda_sm90 {
 
 // Profiling builds only (cuda_common/phase_trace.cuh): where each CTA is when.
 ATTNRT_PHASE_TABLE(sm90_attend_decode,
-                   "start,waited,selected,first block,computed,warp states,partial,cluster "
-                   "barrier,gathered,merge start,written,end")
+                   "start,waited,selected,first block,computed,partial,cluster barrier,"
+                   "gathered,merge start,written,end")
 
 namespace {
 
 namespace cg = cooperative_groups;
 using namespace attnrt_cuda_common;
 
-constexpr int kThreads = 128;
-constexpr int kWarps = kThreads / 32;
-constexpr int kDT = kHeadDim / 8;  // O n-tiles
-constexpr int kQBytes = kHeads * kHeadDim * 2;
-constexpr int kTileBytes = kBlock * kHeadDim * 2;  // K (or V) of one block: one page
+constexpr int kThreads = kAttendThreads;
 constexpr int kStageBytes = 2 * kTileBytes;
-static_assert(kBlock == kWarps * 32, "each warp takes 32 keys of a block");
-constexpr int kRedStride = kHeadDim + 8;  // floats per row of the warps' merge buffer: the
-                                          // 8 rows a store instruction writes hit 2 banks apart
-static_assert((kWarps * kRedStride + kHeadDim) * kHeads * sizeof(float) <= kStageBytes,
+static_assert(kPartialScratchBytes + kHeads * kHeadDim * sizeof(float) <= kStageBytes,
               "the warps' merge buffer and the CTA's partial fit in the first stage");
 
 // Blocks in flight per CTA: as many as it has, up to 3 (196 KB with q: one CTA per SM).
@@ -78,7 +69,8 @@ __global__ void __launch_bounds__(kThreads, 3) attend_decode_kernel(AttendDecode
   extern __shared__ __align__(128) unsigned char smem_raw[];
   T* sQ = reinterpret_cast<T*>(smem_raw);  // [16][128]
   unsigned char* stages = smem_raw + kQBytes;
-  __shared__ float s_m[kWarps][kHeads], s_l[kWarps][kHeads], s_lse[kHeads];
+  __shared__ PartialShared s_part;
+  __shared__ float s_lse[kHeads];
   __shared__ int s_sel[kTopK], s_blk[kTopK], s_nlive;
   __shared__ int64_t s_page[kTopK];
 
@@ -86,18 +78,10 @@ __global__ void __launch_bounds__(kThreads, 3) attend_decode_kernel(AttendDecode
   const int parts = a.parts, S = kTopK / parts, nst = stages_for(parts);
   const int b = blockIdx.x / parts, part = static_cast<int>(cluster.block_rank());
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const int g = lane >> 2, t4 = lane & 3;
 
   ATTNRT_PHASE(sm90_attend_decode, 0);
   // What the indexer does not write: q, the length and the page table.
-  {
-    const T* q = static_cast<const T*>(a.q) + static_cast<int64_t>(b) * a.q_s0;
-    for (int i = tid; i < kHeads * kDT; i += kThreads) {
-      const int r = i / kDT, ch = i % kDT;
-      cp_async16(smem_u32(sQ + swz<kHeadDim>(r, ch * 8)), q + r * a.q_s1 + ch * 8, true);
-    }
-    cp_commit();
-  }
+  load_q(sQ, static_cast<const T*>(a.q) + static_cast<int64_t>(b) * a.q_s0, a.q_s1);
   const int kv = a.kv_len[b];
   const int nblk = (kv + kBlock - 1) / kBlock;
   const int32_t* pages = a.page_ids + a.page_indptr[b];
@@ -128,31 +112,16 @@ __global__ void __launch_bounds__(kThreads, 3) attend_decode_kernel(AttendDecode
 
   const T* kc = static_cast<const T*>(a.kc);
   const T* vc = static_cast<const T*>(a.vc);
-  auto load = [&](int i) {  // block i's K and V into stage i % nst, rows past kv_len zeroed
+  auto load = [&](int i) {  // block i's K and V into stage i % nst
     T* sK = reinterpret_cast<T*>(stages + (i % nst) * kStageBytes);
-    T* sV = sK + kBlock * kHeadDim;
-    const int rows = min(kBlock, kv - s_blk[i] * kBlock);
-    const T* kp = kc + s_page[i] * a.k_s0;
-    const T* vp = vc + s_page[i] * a.v_s0;
-    const int ch = tid % kDT;
-#pragma unroll 4
-    for (int r = tid / kDT; r < kBlock; r += kThreads / kDT) {
-      const bool valid = r < rows;
-      cp_async16(smem_u32(sK + swz<kHeadDim>(r, ch * 8)), valid ? kp + r * a.k_s1 + ch * 8 : kp,
-                 valid);
-      cp_async16(smem_u32(sV + swz<kHeadDim>(r, ch * 8)), valid ? vp + r * a.v_s1 + ch * 8 : vp,
-                 valid);
-    }
-    cp_commit();
+    load_block_kv(sK, sK + kBlock * kHeadDim, kc, vc, s_page[i], a.k_s0, a.k_s1, a.v_s0, a.v_s1,
+                  min(kBlock, kv - s_blk[i] * kBlock));
   };
   for (int i = 0; i < nst && i < nlive; ++i) load(i);
 
   // Online softmax over the live blocks, each warp on its 32 keys of each.
-  const int wkey = warp * 32;
-  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
-  float o[kDT][4];
-#pragma unroll
-  for (int i = 0; i < kDT; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+  DecodeWarpState st;
+  st.reset();
   for (int i = 0; i < nlive; ++i) {
     switch (min(nst - 1, nlive - 1 - i)) {  // the copies of later blocks that may still run
       case 0: cp_wait<0>(); break;
@@ -163,84 +132,22 @@ __global__ void __launch_bounds__(kThreads, 3) attend_decode_kernel(AttendDecode
     if (i == 0) ATTNRT_PHASE(sm90_attend_decode, 3);
     const T* sK = reinterpret_cast<const T*>(stages + (i % nst) * kStageBytes);
     const T* sV = sK + kBlock * kHeadDim;
-    const int j0 = s_blk[i] * kBlock, jend = min(j0 + kBlock, kv);
-    float s[4][4], mb[2], lb[2];
-    warp_qk<T, kHeadDim>(s, sQ, sK, wkey);
-    warp_softmax(s, j0 + wkey, a.scale_log2, [&](int j) { return j < jend; }, mb, lb);
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const float M = fmaxf(m[r], mb[r]);
-      const float ca = m[r] == -INFINITY ? 0.f : exp2f(m[r] - M);
-      const float cb = mb[r] == -INFINITY ? 0.f : exp2f(mb[r] - M);
-      l[r] = l[r] * ca + lb[r] * cb;
-      m[r] = M;
-#pragma unroll
-      for (int n = 0; n < 4; ++n) {
-        s[n][2 * r] *= cb;
-        s[n][2 * r + 1] *= cb;
-      }
-#pragma unroll
-      for (int dt = 0; dt < kDT; ++dt) {
-        o[dt][2 * r] *= ca;
-        o[dt][2 * r + 1] *= ca;
-      }
-    }
-    warp_pv<T, kHeadDim>(o, s, sV, wkey);
+    const int j0 = s_blk[i] * kBlock;
+    attend_block(st, sQ, sK, sV, j0, min(j0 + kBlock, kv), a.scale_log2);
     __syncthreads();  // the stage is free
     if (i + nst < nlive) load(i + nst);
   }
   cp_wait<0>();  // q's copy, when no block was live
   ATTNRT_PHASE(sm90_attend_decode, 4);
 
-  // The CTA's partial: each warp scales its rows to their share of the normalised output (the
-  // rows' max and sum over the 4 warps), then the 4 shares are summed through the first stage.
-  float* red = reinterpret_cast<float*>(stages);  // [4][16][kRedStride]
-  float* po = red + kWarps * kHeads * kRedStride;  // [16][128]
-  if (t4 == 0) {
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      s_m[warp][g + 8 * r] = m[r];
-      s_l[warp][g + 8 * r] = l[r];
-    }
-  }
-  __syncthreads();
+  // The CTA's partial, through the first stage.
+  float* red = reinterpret_cast<float*>(stages);
+  float* po = red + kPartialScratchBytes / sizeof(float);  // [16][128]
+  cta_partial(st, red, s_part, po, s_lse);
   ATTNRT_PHASE(sm90_attend_decode, 5);
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int row = g + 8 * r;
-    float M = -INFINITY, L = 0.f;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) M = fmaxf(M, s_m[w][row]);
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w)
-      L += s_m[w][row] == -INFINITY ? 0.f : s_l[w][row] * exp2f(s_m[w][row] - M);
-    const float f = m[r] == -INFINITY || L == 0.f ? 0.f : exp2f(m[r] - M) / L;
-    float* dst = red + (warp * kHeads + row) * kRedStride + 2 * t4;
-#pragma unroll
-    for (int dt = 0; dt < kDT; ++dt)
-      *reinterpret_cast<float2*>(dst + dt * 8) =
-          make_float2(o[dt][2 * r] * f, o[dt][2 * r + 1] * f);
-    if (warp == 0 && t4 == 0) s_lse[row] = log2_lse(M, L);
-  }
-  __syncthreads();
-#pragma unroll
-  for (int i = 0; i < kHeads * kHeadDim / 4 / kThreads; ++i) {
-    const int idx = (i * kThreads + tid) * 4, row = idx / kHeadDim, d = idx % kHeadDim;
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) {
-      const float4 v = *reinterpret_cast<const float4*>(red + (w * kHeads + row) * kRedStride + d);
-      acc.x += v.x;
-      acc.y += v.y;
-      acc.z += v.z;
-      acc.w += v.w;
-    }
-    *reinterpret_cast<float4*>(po + idx) = acc;
-  }
-  ATTNRT_PHASE(sm90_attend_decode, 6);
   cluster.sync();  // every partial of the request is complete and visible to the cluster
 
-  ATTNRT_PHASE(sm90_attend_decode, 7);
+  ATTNRT_PHASE(sm90_attend_decode, 6);
 
   // CTA `part` finishes heads part, part + parts, ...: S heads x `parts` CTAs = 16 partials,
   // gathered with one round of loads into red's first 8 KB (row k * S + j: CTA k's partial of
@@ -261,10 +168,10 @@ __global__ void __launch_bounds__(kThreads, 3) attend_decode_kernel(AttendDecode
     for (int i = 0; i < 4; ++i) dst[i] = v[i];
   }
   static_assert(kThreads == kTopK * 8, "8 threads gather each of the 16 partial rows");
-  ATTNRT_PHASE(sm90_attend_decode, 8);
+  ATTNRT_PHASE(sm90_attend_decode, 7);
   cluster_arrive();  // done with the peers' shared memory
   __syncthreads();
-  ATTNRT_PHASE(sm90_attend_decode, 9);
+  ATTNRT_PHASE(sm90_attend_decode, 8);
   T* out = static_cast<T*>(a.out) + static_cast<int64_t>(b) * a.o_s0;
   // Every shared-memory load below is unconditional: in a cluster kernel, a load under a per-row
   // predicate compiles to its own read of the CTA's cluster id (S2R) and a dependent load, 16 in
@@ -301,9 +208,9 @@ __global__ void __launch_bounds__(kThreads, 3) attend_decode_kernel(AttendDecode
     if (d == 0 && a.lse != nullptr)
       a.lse[static_cast<int64_t>(b) * a.lse_s0 + h] = natural_lse(M, L);
   }
-  ATTNRT_PHASE(sm90_attend_decode, 10);
+  ATTNRT_PHASE(sm90_attend_decode, 9);
   cluster_wait();  // no CTA leaves while a peer still reads its shared memory
-  ATTNRT_PHASE(sm90_attend_decode, 11);
+  ATTNRT_PHASE(sm90_attend_decode, 10);
 }
 
 template <typename T>

@@ -12,6 +12,12 @@
 // id order. Padding is -1. That last CTA also sets the request's counters back to zero (every
 // CTA has passed the barrier by then), so the next launch, or a captured graph's replay, starts
 // from zero.
+//
+// Fused with the attend (launch_sparse_decode, op sparse_decode): the CTA that ranks a block into
+// the top 16 attends it (decode_block_attend.cuh) as soon as the selection is known, with the
+// block's page id in hand, and writes the block's partial to the request's slot `rank`; the last
+// CTA merges the slots. This removes, against the two launches, the attend's wait for the whole
+// indexer grid to drain and its second read of the selections and page ids.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -28,19 +34,26 @@
 #include "cuda_common/mbarrier.cuh"
 #include "cuda_common/mma_sm80.cuh"
 #include "cuda_common/phase_trace.cuh"
+#include "decode_block_attend.cuh"
 #include "index_decode.h"
 
 namespace attnrt_cuda_sm90 {
 
 // Profiling builds only (cuda_common/phase_trace.cuh): where each CTA is when.
 ATTNRT_PHASE_TABLE(sm90_index_decode, "start,first page,scored,barrier passed,ranked,sorted")
+ATTNRT_PHASE_TABLE(sm90_sparse_decode,
+                   "start,first page,scored,barrier passed,ranked,attended,counted,merged")
 
 namespace {
 
 constexpr int kThreads = 128;
+static_assert(kThreads == kAttendThreads, "the fused attend runs on the indexer's threads");
 constexpr int kStages = 2;
 constexpr int kPageBytes = kBlock * kDim * 2;
 static_assert(kStages * kPageBytes >= kMaxBlocks * 4, "a request's block keys reuse the stages");
+static_assert(kStages * kPageBytes == 2 * kTileBytes, "the fused attend's K and V reuse the stages");
+static_assert(kPartialScratchBytes <= kStages * kPageBytes, "cta_partial's scratch too");
+constexpr int smem_bytes(bool fused) { return kStages * kPageBytes + (fused ? kQBytes : 0); }
 using attnrt_cuda_common::raise_smem_limit;
 using attnrt_cuda_common::set_attribute_once;
 using attnrt_cuda_common::smem_u32;
@@ -81,15 +94,128 @@ __device__ __forceinline__ float dot8(uint4 v, const float* q) {
   return acc;
 }
 
+__device__ __forceinline__ uint32_t atom_acq_rel_add(uint32_t* p, uint32_t v) {
+  uint32_t old;
+  asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], %2;"
+               : "=r"(old)
+               : "l"(p), "r"(v)
+               : "memory");
+  return old;
+}
+
+// Fused: attends each block this CTA ranked into the top 16 (s_mine, by rank), one at a time
+// through the stages, and writes each block's partial to the request's slot of its rank. Every
+// thread calls it; q's copy into sQ was issued at the kernel's start.
 template <typename T>
-__global__ void __launch_bounds__(kThreads) index_decode_kernel(IndexDecodeArgs a) {
+__device__ __forceinline__ void attend_selected(const SparseDecodeArgs& a, int b, int kv,
+                                                const int32_t* pages, unsigned char* stages,
+                                                const T* sQ, const int* s_mine, int* s_sel_block,
+                                                int* s_sel_rank, int& s_nsel,
+                                                PartialShared& s_part) {
+  using namespace attnrt_cuda_common;
+  const int tid = threadIdx.x;
+  if (tid < 32) {  // compact in rank order: the partials never depend on timing
+    const int c = tid < kTopK ? s_mine[tid] : -1;
+    const unsigned ballot = __ballot_sync(0xffffffffu, c >= 0);
+    if (c >= 0) {
+      const int at = __popc(ballot & ((1u << tid) - 1u));
+      s_sel_block[at] = c;
+      s_sel_rank[at] = tid;
+    }
+    if (tid == 0) s_nsel = __popc(ballot);
+  }
+  cp_wait<0>();  // q
+  __syncthreads();
+  const int nsel = s_nsel;
+  T* sK = reinterpret_cast<T*>(stages);
+  T* sV = sK + kBlock * kHeadDim;
+  const T* kc = static_cast<const T*>(a.att.kc);
+  const T* vc = static_cast<const T*>(a.att.vc);
+  for (int i = 0; i < nsel; ++i) {
+    const int c = s_sel_block[i], j0 = c * kBlock;
+    load_block_kv(sK, sV, kc, vc, static_cast<int64_t>(pages[c]), a.att.k_s0, a.att.k_s1,
+                  a.att.v_s0, a.att.v_s1, min(kBlock, kv - j0));
+    cp_wait<0>();
+    __syncthreads();
+    DecodeWarpState st;
+    st.reset();
+    attend_block(st, sQ, sK, sV, j0, min(j0 + kBlock, kv), a.scale_log2);
+    __syncthreads();  // K and V read: cta_partial's scratch overlays them
+    const int64_t slot = (static_cast<int64_t>(b) * kTopK + s_sel_rank[i]) * kHeads;
+    cta_partial(st, reinterpret_cast<float*>(stages), s_part, a.part_o + slot * kHeadDim,
+                a.part_lse + slot);
+    __syncthreads();  // the scratch read before the next block's copy
+  }
+}
+
+// Fused, the request's last CTA: out and lse of head tid / 8, dims 16 * (tid % 8) .. + 16, from
+// the keff slots' partials weighed by their lse, with the sink folded in. Per thread, no
+// barrier (warp 0 joins after sorting topk).
+template <typename T>
+__device__ __forceinline__ void merge_slots(const SparseDecodeArgs& a, int b, int keff) {
+  using namespace attnrt_cuda_common;
+  static_assert(kThreads * 16 == kHeads * kHeadDim, "16 outputs a thread");
+  const int tid = threadIdx.x, h = tid >> 3, d0 = (tid & 7) * 16;
+  const int64_t base = static_cast<int64_t>(b) * kTopK * kHeads + h;
+  float l2[kTopK], M = -INFINITY;
+#pragma unroll
+  for (int r = 0; r < kTopK; ++r) {
+    l2[r] = r < keff ? __ldcg(a.part_lse + base + r * kHeads) : -INFINITY;
+    M = fmaxf(M, l2[r]);
+  }
+  float acc[16], L = 0.f;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) acc[i] = 0.f;
+#pragma unroll
+  for (int r = 0; r < kTopK; ++r) {
+    if (r >= keff) break;  // slots past keff hold no partial (stale data)
+    const float w = M == -INFINITY ? 0.f : exp2f(l2[r] - M);
+    const float4* src =
+        reinterpret_cast<const float4*>(a.part_o + (base + r * kHeads) * kHeadDim + d0);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const float4 v = __ldcg(src + k);
+      acc[4 * k] += w * v.x;
+      acc[4 * k + 1] += w * v.y;
+      acc[4 * k + 2] += w * v.z;
+      acc[4 * k + 3] += w * v.w;
+    }
+    L += w;
+  }
+  float cf = 1.f;
+  if (a.att.sink != nullptr) cf = fold_sink(M, L, a.att.sink[h]);
+  const float f = L > 0.f ? cf / L : 0.f;
+  uint32_t packed[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) packed[i] = Mma<T>::pack(acc[2 * i] * f, acc[2 * i + 1] * f);
+  uint4* dst = reinterpret_cast<uint4*>(static_cast<T*>(a.att.out) +
+                                        static_cast<int64_t>(b) * a.att.o_s0 + h * a.att.o_s1 + d0);
+  dst[0] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+  dst[1] = make_uint4(packed[4], packed[5], packed[6], packed[7]);
+  if ((tid & 7) == 0 && a.att.lse != nullptr)
+    a.att.lse[static_cast<int64_t>(b) * a.att.lse_s0 + h] = natural_lse(M, L);
+}
+
+// Phase stamps of whichever kernel this is (profiling builds only).
+#define INDEX_PHASE(k)                                          \
+  do {                                                          \
+    if constexpr (kFused) ATTNRT_PHASE(sm90_sparse_decode, k);  \
+    else ATTNRT_PHASE(sm90_index_decode, k);                    \
+  } while (0)
+
+template <typename T, bool kFused>
+__global__ void __launch_bounds__(kThreads, kFused ? 3 : 1) index_decode_kernel(SparseDecodeArgs a) {
   extern __shared__ __align__(128) unsigned char stages[];
   __shared__ __align__(8) uint64_t bars[kStages];
   __shared__ float red[2][kThreads / 32];
   __shared__ int s_last;
+  // Fused: the CTA's selected blocks by rank (-1: another CTA's), then compacted.
+  __shared__ int s_mine[kTopK], s_sel_block[kTopK], s_sel_rank[kTopK], s_nsel;
+  __shared__ PartialShared s_part;
 
-  ATTNRT_PHASE(sm90_index_decode, 0);
-  grid_launch_dependents();  // the attend's CTAs may start (and load q) while this one runs
+  INDEX_PHASE(0);
+  if constexpr (!kFused)
+    grid_launch_dependents();  // the attend's CTAs may start (and load q) while this one runs
   const int b = blockIdx.x / a.ctas_per_request;
   const int part = blockIdx.x % a.ctas_per_request;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -99,6 +225,12 @@ __global__ void __launch_bounds__(kThreads) index_decode_kernel(IndexDecodeArgs 
   const int c1 = min(c0 + a.blocks_per_cta, nblk);
   const int32_t* pages = a.page_ids + a.page_indptr[b];
   const T* kc = static_cast<const T*>(a.kc);
+  T* sQ = reinterpret_cast<T*>(stages + kStages * kPageBytes);  // fused: the attention's q
+  if constexpr (kFused) {
+    load_q(sQ, static_cast<const T*>(a.att.q) + static_cast<int64_t>(b) * a.att.q_s0,
+           a.att.q_s1);
+    if (tid < kTopK) s_mine[tid] = -1;
+  }
 
   // Thread 0 issues the copies; it reads each page id one block ahead of its copy, so it never
   // waits on one.
@@ -136,7 +268,7 @@ __global__ void __launch_bounds__(kThreads) index_decode_kernel(IndexDecodeArgs 
   for (int c = c0; c < c1; ++c) {
     const int i = c - c0, s = i % kStages;
     bar_wait(&bars[s], (i / kStages) & 1);
-    if (i == 0) ATTNRT_PHASE(sm90_index_decode, 1);
+    if (i == 0) INDEX_PHASE(1);
     const unsigned char* page = stages + s * kPageBytes;
     float m = -INFINITY;
 #pragma unroll 4
@@ -165,75 +297,101 @@ __global__ void __launch_bounds__(kThreads) index_decode_kernel(IndexDecodeArgs 
     }
   }
 
-  ATTNRT_PHASE(sm90_index_decode, 2);
+  INDEX_PHASE(2);
   // Selection. Every block is taken when there are at most 16: no CTA waits for another.
   const int nvis = nblk;  // decode: the query sits at kv_len - 1
   const int keff = min(kTopK, nvis);
   int32_t* out = a.topk + static_cast<int64_t>(b) * a.t_s1;
   if (part == 0)
     for (int k = keff + tid; k < kTopK; k += kThreads) out[k * a.t_s2] = -1;
+  uint32_t* sync = a.sync + 2 * b;  // [arrivals, rankers done]
   if (nvis <= kTopK) {
-    for (int c = c0 + tid; c < c1; c += kThreads) out[c * a.t_s2] = c;
+    for (int c = c0 + tid; c < c1; c += kThreads) {
+      out[c * a.t_s2] = c;
+      if constexpr (kFused) s_mine[c] = c;  // rank = id
+    }
+    if constexpr (!kFused) return;
+  } else {
+    // Otherwise the request's CTAs meet at a barrier (they are co-resident: a cooperative launch),
+    // each ranks its own blocks against all of the request's block scores and writes every block
+    // of rank < 16 to slot `rank`; the last CTA to finish that puts the 16 slots in id order.
+    // The serial part is a few memory round trips, not a select over every block in one CTA.
+    if (tid == 0) {
+      // Arrive with release semantics (this CTA's scores go first), then poll with acquire (the
+      // peers' scores come after) until every CTA of the request has arrived: one memory round
+      // trip after the last arrival, no generation to flip. Polled gently: up to a few hundred
+      // threads of the grid spin while others still stream.
+      red_release_add(&sync[0], 1u);
+      while (ld_acquire(&sync[0]) < static_cast<uint32_t>(a.ctas_per_request)) __nanosleep(20);
+    }
+    __syncthreads();
+    INDEX_PHASE(3);
+    uint32_t* keys = reinterpret_cast<uint32_t*>(stages);  // every bulk copy has completed
+    const float* src = a.scores + static_cast<int64_t>(b) * a.block_capacity;
+    const int init_b = a.init_blocks, local_from = nvis - a.local_blocks;
+    const int padded = (nvis + 255) & ~255;  // key 0 is below every real key: padding never ranks
+    for (int c = tid; c < padded; c += kThreads)
+      keys[c] = c < nvis
+                    ? attnrt_cuda_common::block_score_key(__ldcg(src + c), c, init_b, local_from)
+                    : 0u;
+    __syncthreads();
+    // rank(c) = how many blocks precede c in the order (key descending, then id ascending); one
+    // warp per block, 256 rivals a step (8 a lane: the step is a latency chain, so wide), stopping
+    // once 16 precede it.
+    for (int c = c0 + warp; c < c1; c += kThreads / 32) {
+      const uint32_t kc = keys[c];
+      int rank = 0;
+      for (int r0 = 0; r0 < nvis && rank < keff; r0 += 256) {
+        const int r = r0 + 4 * lane;
+        const uint4 k4[2] = {*reinterpret_cast<const uint4*>(keys + r),
+                             *reinterpret_cast<const uint4*>(keys + r + 128)};
+        int before = 0;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int rh = r + 128 * h;
+          before += (k4[h].x > kc || (k4[h].x == kc && rh < c)) +
+                    (k4[h].y > kc || (k4[h].y == kc && rh + 1 < c)) +
+                    (k4[h].z > kc || (k4[h].z == kc && rh + 2 < c)) +
+                    (k4[h].w > kc || (k4[h].w == kc && rh + 3 < c));
+        }
+        rank += static_cast<int>(__reduce_add_sync(0xffffffffu, static_cast<unsigned>(before)));
+      }
+      if (rank < keff && lane == 0) {
+        out[rank * a.t_s2] = c;
+        if constexpr (kFused)
+          s_mine[rank] = c;
+        else
+          __threadfence();  // before this CTA counts itself done
+      }
+    }
+  }  // nvis > kTopK
+  __syncthreads();
+  INDEX_PHASE(4);
+  if constexpr (kFused) {
+    attend_selected<T>(a, b, kv, pages, stages, sQ, s_mine, s_sel_block, s_sel_rank, s_nsel,
+                       s_part);
+    INDEX_PHASE(5);
+    // Count this CTA done once its slots and partials are written: the barrier orders every
+    // thread's stores before thread 0's release (the pattern of a split-K semaphore), and the
+    // last CTA's acquire makes them visible to it.
+    if (tid == 0)
+      s_last = atom_acq_rel_add(&sync[1], 1u) == static_cast<uint32_t>(a.ctas_per_request) - 1;
+    __syncthreads();
+    INDEX_PHASE(6);
+    if (!s_last) return;
+  } else {
+    if (tid == 0) {
+      __threadfence();
+      s_last = atomicAdd(&sync[1], 1u) == static_cast<uint32_t>(a.ctas_per_request) - 1;
+    }
+    __syncthreads();
+    if (!s_last) return;
+    __threadfence();
+  }
+  if (warp != 0) {
+    if constexpr (kFused) merge_slots<T>(a, b, keff);
     return;
   }
-  // Otherwise the request's CTAs meet at a barrier (they are co-resident: a cooperative launch),
-  // each ranks its own blocks against all of the request's block scores and writes every block
-  // of rank < 16 to slot `rank`; the last CTA to finish that puts the 16 slots in id order.
-  // The serial part is a few memory round trips, not a select over every block in one CTA.
-  uint32_t* sync = a.sync + 2 * b;  // [arrivals, rankers done]
-  if (tid == 0) {
-    // Arrive with release semantics (this CTA's scores go first), then poll with acquire (the
-    // peers' scores come after) until every CTA of the request has arrived: one memory round
-    // trip after the last arrival, no generation to flip. Polled gently: up to a few hundred
-    // threads of the grid spin while others still stream.
-    red_release_add(&sync[0], 1u);
-    while (ld_acquire(&sync[0]) < static_cast<uint32_t>(a.ctas_per_request)) __nanosleep(20);
-  }
-  __syncthreads();
-  ATTNRT_PHASE(sm90_index_decode, 3);
-  uint32_t* keys = reinterpret_cast<uint32_t*>(stages);  // every bulk copy has completed
-  const float* src = a.scores + static_cast<int64_t>(b) * a.block_capacity;
-  const int init_b = a.init_blocks, local_from = nvis - a.local_blocks;
-  const int padded = (nvis + 255) & ~255;  // key 0 is below every real key: padding never ranks
-  for (int c = tid; c < padded; c += kThreads)
-    keys[c] = c < nvis ? attnrt_cuda_common::block_score_key(__ldcg(src + c), c, init_b, local_from)
-                       : 0u;
-  __syncthreads();
-  // rank(c) = how many blocks precede c in the order (key descending, then id ascending); one
-  // warp per block, 256 rivals a step (8 a lane: the step is a latency chain, so wide), stopping
-  // once 16 precede it.
-  for (int c = c0 + warp; c < c1; c += kThreads / 32) {
-    const uint32_t kc = keys[c];
-    int rank = 0;
-    for (int r0 = 0; r0 < nvis && rank < keff; r0 += 256) {
-      const int r = r0 + 4 * lane;
-      const uint4 k4[2] = {*reinterpret_cast<const uint4*>(keys + r),
-                           *reinterpret_cast<const uint4*>(keys + r + 128)};
-      int before = 0;
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int rh = r + 128 * h;
-        before += (k4[h].x > kc || (k4[h].x == kc && rh < c)) +
-                  (k4[h].y > kc || (k4[h].y == kc && rh + 1 < c)) +
-                  (k4[h].z > kc || (k4[h].z == kc && rh + 2 < c)) +
-                  (k4[h].w > kc || (k4[h].w == kc && rh + 3 < c));
-      }
-      rank += static_cast<int>(__reduce_add_sync(0xffffffffu, static_cast<unsigned>(before)));
-    }
-    if (rank < keff && lane == 0) {
-      out[rank * a.t_s2] = c;
-      __threadfence();  // before this CTA counts itself done
-    }
-  }
-  __syncthreads();
-  ATTNRT_PHASE(sm90_index_decode, 4);
-  if (tid == 0) {
-    __threadfence();
-    s_last = atomicAdd(&sync[1], 1u) == static_cast<uint32_t>(a.ctas_per_request) - 1;
-  }
-  __syncthreads();
-  if (!s_last || warp != 0) return;
-  __threadfence();
   if (lane == 0) {  // every CTA is past the barrier: ready for the next launch (graph replay)
     sync[0] = 0;
     sync[1] = 0;
@@ -245,18 +403,24 @@ __global__ void __launch_bounds__(kThreads) index_decode_kernel(IndexDecodeArgs 
   for (int k = 0; k < kTopK; ++k) at += __shfl_sync(0xffffffffu, id, k) < id;
   __syncwarp();
   if (lane < keff) out[at * a.t_s2] = id;
-  ATTNRT_PHASE(sm90_index_decode, 5);
+  if constexpr (kFused) {
+    merge_slots<T>(a, b, keff);
+    INDEX_PHASE(7);
+  } else {
+    INDEX_PHASE(5);
+  }
 }
 
-template <typename T>
-cudaError_t launch_t(const IndexDecodeArgs& a, cudaStream_t st) {
-  const int smem = kStages * kPageBytes;
-  if (cudaError_t e = raise_smem_limit<index_decode_kernel<T>>(smem); e != cudaSuccess) return e;
+template <typename T, bool kFused>
+cudaError_t launch_t(const SparseDecodeArgs& a, cudaStream_t st) {
+  constexpr auto kernel = index_decode_kernel<T, kFused>;
+  const int smem = smem_bytes(kFused);
+  if (cudaError_t e = raise_smem_limit<kernel>(smem); e != cudaSuccess) return e;
   // All of shared memory as such (no L1 carve-out; the kernel reads through bulk copies): the
   // SMs are then configured so that the attend, launched as a programmatic dependent, fits
-  // beside this kernel's CTAs and loads its queries while the scoring runs.
-  if (cudaError_t e = set_attribute_once<index_decode_kernel<T>,
-                                         cudaFuncAttributePreferredSharedMemoryCarveout>(
+  // beside the indexer's CTAs and loads its queries while the scoring runs; fused, so that the
+  // resident count index_decode_resident_ctas() reports holds.
+  if (cudaError_t e = set_attribute_once<kernel, cudaFuncAttributePreferredSharedMemoryCarveout>(
           cudaSharedmemCarveoutMaxShared);
       e != cudaSuccess)
     return e;
@@ -275,29 +439,47 @@ cudaError_t launch_t(const IndexDecodeArgs& a, cudaStream_t st) {
   attr[0].val.cooperative = 1;
   cfg.attrs = attr;
   cfg.numAttrs = a.ctas_per_request > 1 ? 1 : 0;
-  return cudaLaunchKernelEx(&cfg, index_decode_kernel<T>, a);
+  return cudaLaunchKernelEx(&cfg, kernel, a);
 }
 
-}  // namespace
-
-int index_decode_smem_bytes() { return kStages * kPageBytes; }
-
-int index_decode_resident_ctas(int sms, int* ctas) {
-  using K = __nv_bfloat16;  // both dtypes' kernels use the same resources
-  const int smem = kStages * kPageBytes;
-  if (cudaError_t e = raise_smem_limit<index_decode_kernel<K>>(smem); e != cudaSuccess) return e;
+template <bool kFused>
+int resident_ctas(int sms, int* ctas) {
+  constexpr auto kernel = index_decode_kernel<__nv_bfloat16, kFused>;  // f16: same resources
+  const int smem = smem_bytes(kFused);
+  if (cudaError_t e = raise_smem_limit<kernel>(smem); e != cudaSuccess) return e;
+  if constexpr (kFused) {
+    if (cudaError_t e =
+            set_attribute_once<kernel, cudaFuncAttributePreferredSharedMemoryCarveout>(
+                cudaSharedmemCarveoutMaxShared);
+        e != cudaSuccess)
+      return e;
+  }
   int per_sm = 0;
-  if (cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, index_decode_kernel<K>,
-                                                                    kThreads, smem);
+  if (cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem);
       e != cudaSuccess)
     return e;
   *ctas = per_sm * sms;
   return cudaSuccess;
 }
 
+}  // namespace
+
+int index_decode_resident_ctas(int sms, bool fused, int* ctas) {
+  return fused ? resident_ctas<true>(sms, ctas) : resident_ctas<false>(sms, ctas);
+}
+
 int launch_index_decode(const IndexDecodeArgs& a, int dtype, void* stream) {
   cudaStream_t st = static_cast<cudaStream_t>(stream);
-  return dtype == ATTNRT_BF16 ? launch_t<__nv_bfloat16>(a, st) : launch_t<__half>(a, st);
+  SparseDecodeArgs f{};
+  static_cast<IndexDecodeArgs&>(f) = a;
+  return dtype == ATTNRT_BF16 ? launch_t<__nv_bfloat16, false>(f, st)
+                              : launch_t<__half, false>(f, st);
+}
+
+int launch_sparse_decode(const SparseDecodeArgs& a, int dtype, void* stream) {
+  cudaStream_t st = static_cast<cudaStream_t>(stream);
+  return dtype == ATTNRT_BF16 ? launch_t<__nv_bfloat16, true>(a, st)
+                              : launch_t<__half, true>(a, st);
 }
 
 }  // namespace attnrt_cuda_sm90

@@ -5,6 +5,8 @@
 
 #include <cstdint>
 
+#include "cuda_common/attend_tensors.h"
+
 namespace attnrt_cuda_sm90 {
 
 constexpr int kBlock = 128;     // tokens per block = per page
@@ -33,13 +35,24 @@ struct IndexDecodeArgs : IndexArgsBase {
   int n, block_capacity, blocks_per_cta, ctas_per_request;
 };
 
-// Launches on `stream`; returns a cudaError_t as int. dtype: ATTNRT_BF16 or ATTNRT_F16.
+// The whole sparse decode step (op sparse_decode): the indexer above, then the attention of the
+// 16 query heads (attend_decode.h's shape) over the selected blocks, in the same launch. The CTA
+// that ranks a block into the top 16 attends it right away (its page id is in hand) and writes
+// the block's partial (normalised o, log2 lse) to the request's slot `rank`; the request's last
+// CTA to finish merges the slots by lse into out and lse, besides sorting topk.
+struct SparseDecodeArgs : IndexDecodeArgs {
+  attnrt_cuda_common::AttendTensors att;  // q, caches, out, lse, sink of the attention
+  float* part_o;    // [n][16 slots][16 heads][128]
+  float* part_lse;  // [n][16 slots][16 heads], log2
+  float scale_log2;  // sm_scale * log2(e)
+};
+
+// Launch on `stream`; return a cudaError_t as int. dtype: ATTNRT_BF16 or ATTNRT_F16.
 int launch_index_decode(const IndexDecodeArgs& a, int dtype, void* stream);
-// Dynamic shared memory of one CTA (the plan checks it against the device's opt-in limit).
-int index_decode_smem_bytes();
-// How many CTAs of the kernel the device holds at once (`sms` multiprocessors): a launch with
-// several CTAs per request may have no more, since they wait for each other. Returns a
-// cudaError_t as int.
-int index_decode_resident_ctas(int sms, int* ctas);
+int launch_sparse_decode(const SparseDecodeArgs& a, int dtype, void* stream);
+// How many CTAs of the indexer (fused: with the attend) the device holds at once (`sms`
+// multiprocessors): a launch with several CTAs per request may have no more, since they wait
+// for each other. Returns a cudaError_t as int.
+int index_decode_resident_ctas(int sms, bool fused, int* ctas);
 
 }  // namespace attnrt_cuda_sm90

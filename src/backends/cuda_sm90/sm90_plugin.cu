@@ -1,12 +1,13 @@
 // attnrt Hopper fast-path plugin (libattnrt_cuda_sm90.so, backend "cuda_sm90"). Includes only
 // the plugin C ABI.
 //
-// It serves the four sparse ops of MiniMax-M3's sparse layers at the production shape (block =
+// It serves the sparse ops of MiniMax-M3's sparse layers at the production shape (block =
 // page = 128, top-16 of one index head, index_dim 128 with score max; 16 query heads on one KV
 // head, head_dim 128; bf16/f16) on compute capability 9.x. Decode, one fused launch each:
 // sparse_index_decode (index_decode.cu: bulk-copy page loads, block scores and the top-k in one
-// kernel) and sparse_attend_decode (attend_decode.cu: a cluster of CTAs per request on tensor
-// cores, merging its partials in distributed shared memory). Extend: sparse_index_extend
+// kernel), sparse_attend_decode (attend_decode.cu: a cluster of CTAs per request on tensor
+// cores, merging its partials in distributed shared memory) and sparse_decode, both in one
+// launch (index_decode.cu: the CTA ranking a block into the top 16 attends it). Extend: sparse_index_extend
 // (index_extend.cu: 128-token tiles scored on tensor cores, then a top-k kernel) and
 // sparse_attend_extend (attend_extend.cu: block-major, each selected block read once per 32
 // tokens). Anything else its probe refuses by name, and the generic "cuda" plugin (priority 200)
@@ -39,6 +40,8 @@ namespace {
 
 using attnrt_cuda_common::is_decode_op;
 using attnrt_cuda_common::is_index_op;
+using attnrt_cuda_common::reads_attention_inputs;
+using attnrt_cuda_common::reads_index_inputs;
 using attnrt_cuda_common::upload;
 using attnrt_cuda_sm90::kBlock;
 using attnrt_cuda_sm90::kDim;
@@ -84,6 +87,7 @@ struct Sm90Plan {
   int32_t *d_kv_len = nullptr, *d_page_indptr = nullptr, *d_page_ids = nullptr;
   int32_t* d_counters = nullptr;  // extend
   uint32_t* d_sync = nullptr;     // decode indexer: [n][2]
+  float* d_part_o32 = nullptr;    // sparse_decode: [n][16 slots][16 heads][128], lse in d_part_lse
   float* d_scores = nullptr;                              // indexer
   float* d_part_lse = nullptr;                            // extend attend
   int32_t *d_q_len = nullptr, *d_row_req = nullptr, *d_row_pos = nullptr;  // extend
@@ -103,7 +107,8 @@ void free_plan(Sm90Plan* p) {
                   p->d_scores,     p->d_part_lse,    p->d_q_len,         p->d_row_req,
                   p->d_row_pos,    p->d_q_indptr,    p->d_score_base,    p->d_items,
                   p->d_blk_base,   p->d_blk_req,     p->d_entry_cap,     p->d_entry_base,
-                  p->d_entries,    p->d_attend_items, p->d_part_o16,    p->d_sync};
+                  p->d_entries,    p->d_attend_items, p->d_part_o16,    p->d_sync,
+                  p->d_part_o32};
   for (void* b : bufs) cudaFree(b);
   delete p;
 }
@@ -126,16 +131,11 @@ int32_t p_probe(const attnrt_problem* p) {
     if (!why.empty()) why += "; ";
     why += buf;
   };
-  static const char* const kOps[] = {"dense_extend",         "dense_decode",
-                                     "sparse_index_extend",  "sparse_index_decode",
-                                     "sparse_attend_extend", "sparse_attend_decode"};
-  const bool index = is_index_op(p->op);
-  if (!index && p->op != ATTNRT_OP_SPARSE_ATTEND_DECODE &&
-      p->op != ATTNRT_OP_SPARSE_ATTEND_EXTEND)  // plugin.h's wording for such ops
+  if (!attnrt_cuda_common::is_sparse_op(p->op))  // plugin.h's wording for such ops
     return fail(ATTNRT_UNAVAILABLE,
-                "op not served: cuda_sm90 serves the sparse ops (index and attend, extend and "
-                "decode), not %s",
-                p->op >= 0 && p->op < 6 ? kOps[p->op] : "an unknown op");
+                "op not served: cuda_sm90 serves the sparse ops (index, attend and sparse_decode), "
+                "not op %d",
+                p->op);
   need(dev.major == 9, "compute capability %d.%d (needs 9.x: Hopper bulk copies)", dev.major,
        dev.minor);
   need(p->q_dtype == ATTNRT_BF16 || p->q_dtype == ATTNRT_F16, "q dtype %d (needs bf16 or f16)",
@@ -145,10 +145,11 @@ int32_t p_probe(const attnrt_problem* p) {
   need(p->block_size == kBlock, "block_size %d (needs %d)", p->block_size, kBlock);
   need(p->num_index_heads == 1, "num_index_heads %d (needs 1)", p->num_index_heads);
   need(p->topk == kTopK, "topk %d (needs %d)", p->topk, kTopK);
-  if (index) {
+  if (reads_index_inputs(p->op)) {
     need(p->index_dim == kDim, "index_dim %d (needs %d)", p->index_dim, kDim);
     need(p->score_type == 0, "score_type %d (needs 0, max)", p->score_type);
-  } else {
+  }
+  if (reads_attention_inputs(p->op)) {
     need(p->num_kv_heads == 1, "num_kv_heads %d (needs 1)", p->num_kv_heads);
     need(p->num_q_heads == kHeads, "num_q_heads %d (needs %d)", p->num_q_heads, kHeads);
     need(p->head_dim == kHeadDim, "head_dim %d (needs %d)", p->head_dim, kHeadDim);
@@ -279,8 +280,9 @@ int32_t plan_impl(const attnrt_problem* p, const attnrt_layout* L, Sm90Plan* pl)
   // ctas_per_request <= per_request).
   CK(cudaSetDevice(p->device.index));
   int slots = 0;
-  CK(static_cast<cudaError_t>(
-      attnrt_cuda_sm90::index_decode_resident_ctas(g_rt.info(p->device.index).sms, &slots)));
+  const bool fused = p->op == ATTNRT_OP_SPARSE_DECODE;
+  CK(static_cast<cudaError_t>(attnrt_cuda_sm90::index_decode_resident_ctas(
+      g_rt.info(p->device.index).sms, fused, &slots)));
   const int per_request = std::max(1, slots / std::max(n, 1));
   pl->blocks_per_cta = std::max((pl->block_capacity + per_request - 1) / per_request, 2);
   pl->ctas_per_request = (pl->block_capacity + pl->blocks_per_cta - 1) / pl->blocks_per_cta;
@@ -289,12 +291,17 @@ int32_t plan_impl(const attnrt_problem* p, const attnrt_layout* L, Sm90Plan* pl)
       upload(&pl->d_page_ids, L->page_ids, total_pages, pl->page_capacity, g_error,
              sizeof g_error))
     return ATTNRT_INTERNAL;
-  if (p->op == ATTNRT_OP_SPARSE_INDEX_DECODE) {
+  if (reads_index_inputs(p->op)) {
     CK(cudaMalloc(reinterpret_cast<void**>(&pl->d_sync), sizeof(uint32_t) * 2 * std::max(n, 1)));
     CK(cudaMemset(pl->d_sync, 0, sizeof(uint32_t) * 2 * std::max(n, 1)));
     CK(cudaMalloc(reinterpret_cast<void**>(&pl->d_scores),
                   sizeof(float) * std::max<size_t>(1, static_cast<size_t>(n) * pl->block_capacity)));
-  } else {
+  }
+  if (fused) {  // a partial per selection slot
+    const size_t slots = static_cast<size_t>(std::max(n, 1)) * kTopK * kHeads;
+    CK(cudaMalloc(reinterpret_cast<void**>(&pl->d_part_o32), sizeof(float) * slots * kHeadDim));
+    CK(cudaMalloc(reinterpret_cast<void**>(&pl->d_part_lse), sizeof(float) * slots));
+  } else if (!reads_index_inputs(p->op)) {
     CK(static_cast<cudaError_t>(attnrt_cuda_sm90::attend_decode_parts(
         n, g_rt.info(p->device.index).sms, &pl->attend_parts)));
   }
@@ -330,7 +337,9 @@ bool rows_aligned(const attnrt_tensor& x) {
          x.strides[0] % 8 == 0 && aligned16(x.data);
 }
 
-int32_t run_index(const Sm90Plan& pl, const attnrt_tensors* t, void* stream) {
+// The indexer's tensors, checked, into `base`.
+int32_t index_args(const Sm90Plan& pl, const attnrt_tensors* t,
+                   attnrt_cuda_sm90::IndexArgsBase* out) {
   const attnrt_problem& p = pl.problem;
   const attnrt_tensor &iq = t->index_q, &ik = t->index_k_cache, &tk = t->topk;
   if (!iq.data || iq.rank != 3 || !ik.data || ik.rank != 4 || !tk.data || tk.rank != 3)
@@ -343,8 +352,7 @@ int32_t run_index(const Sm90Plan& pl, const attnrt_tensors* t, void* stream) {
                 static_cast<long long>(ik.strides[0]), static_cast<long long>(ik.strides[1]),
                 static_cast<long long>(ik.strides[2]), static_cast<long long>(ik.strides[3]));
   if (!rows_aligned(iq)) return fail(ATTNRT_UNAVAILABLE, "cuda_sm90 needs 16-byte aligned index_q rows");
-  CK(cudaSetDevice(p.device.index));
-  attnrt_cuda_sm90::IndexArgsBase base{};
+  attnrt_cuda_sm90::IndexArgsBase& base = *out;
   base.q = iq.data;
   base.kc = ik.data;
   base.q_s0 = iq.strides[0];
@@ -359,6 +367,23 @@ int32_t run_index(const Sm90Plan& pl, const attnrt_tensors* t, void* stream) {
   base.init_blocks = p.init_blocks;
   base.local_blocks = p.local_blocks;
   base.scale = p.index_scale;
+  return ATTNRT_OK;
+}
+
+// The decode indexer's plan fields.
+void index_decode_args(const Sm90Plan& pl, attnrt_cuda_sm90::IndexDecodeArgs* a) {
+  a->sync = pl.d_sync;
+  a->n = pl.n;
+  a->block_capacity = pl.block_capacity;
+  a->blocks_per_cta = pl.blocks_per_cta;
+  a->ctas_per_request = pl.ctas_per_request;
+}
+
+int32_t run_index(const Sm90Plan& pl, const attnrt_tensors* t, void* stream) {
+  const attnrt_problem& p = pl.problem;
+  attnrt_cuda_sm90::IndexArgsBase base{};
+  if (int32_t s = index_args(pl, t, &base); s != ATTNRT_OK) return s;
+  CK(cudaSetDevice(p.device.index));
   if (p.op == ATTNRT_OP_SPARSE_INDEX_EXTEND) {
     attnrt_cuda_sm90::IndexExtendArgs a{};
     static_cast<attnrt_cuda_sm90::IndexArgsBase&>(a) = base;
@@ -374,17 +399,13 @@ int32_t run_index(const Sm90Plan& pl, const attnrt_tensors* t, void* stream) {
   }
   attnrt_cuda_sm90::IndexDecodeArgs a{};
   static_cast<attnrt_cuda_sm90::IndexArgsBase&>(a) = base;
-  a.sync = pl.d_sync;
-  a.n = pl.n;
-  a.block_capacity = pl.block_capacity;
-  a.blocks_per_cta = pl.blocks_per_cta;
-  a.ctas_per_request = pl.ctas_per_request;
+  index_decode_args(pl, &a);
   CK(static_cast<cudaError_t>(attnrt_cuda_sm90::launch_index_decode(a, p.q_dtype, stream)));
   return ATTNRT_OK;
 }
 
-int32_t run_attend(const Sm90Plan& pl, const attnrt_tensors* t, void* stream) {
-  const attnrt_problem& p = pl.problem;
+// The attention's tensors: present and laid out as the kernels read them.
+int32_t check_attend_tensors(const attnrt_problem& p, const attnrt_tensors* t) {
   if (!t->q.data || !t->out.data || !t->k_cache.data || !t->v_cache.data || !t->topk.data ||
       t->topk.rank != 3)
     return fail(ATTNRT_INVALID, "q, out, k_cache, v_cache and topk (rank 3) required");
@@ -397,6 +418,12 @@ int32_t run_attend(const Sm90Plan& pl, const attnrt_tensors* t, void* stream) {
   if (p.write_lse && (!t->lse.data || t->lse.strides[1] != 1))
     return fail(ATTNRT_INVALID, "lse must be present with unit innermost stride");
   if (p.has_sink && !t->sink.data) return fail(ATTNRT_INVALID, "sink missing");
+  return ATTNRT_OK;
+}
+
+int32_t run_attend(const Sm90Plan& pl, const attnrt_tensors* t, void* stream) {
+  const attnrt_problem& p = pl.problem;
+  if (int32_t s = check_attend_tensors(p, t); s != ATTNRT_OK) return s;
   CK(cudaSetDevice(p.device.index));
   if (p.op == ATTNRT_OP_SPARSE_ATTEND_EXTEND) {
     attnrt_cuda_sm90::AttendExtendArgs a{};
@@ -433,10 +460,27 @@ int32_t run_attend(const Sm90Plan& pl, const attnrt_tensors* t, void* stream) {
   return ATTNRT_OK;
 }
 
+// sparse_decode: the indexer and the attend in one launch.
+int32_t run_fused(const Sm90Plan& pl, const attnrt_tensors* t, void* stream) {
+  const attnrt_problem& p = pl.problem;
+  attnrt_cuda_sm90::SparseDecodeArgs a{};
+  if (int32_t s = index_args(pl, t, &a); s != ATTNRT_OK) return s;
+  if (int32_t s = check_attend_tensors(p, t); s != ATTNRT_OK) return s;
+  index_decode_args(pl, &a);
+  a.att = attnrt_cuda_common::attend_tensors(*t, p);
+  a.part_o = pl.d_part_o32;
+  a.part_lse = pl.d_part_lse;
+  a.scale_log2 = p.sm_scale * 1.4426950408889634f;
+  CK(cudaSetDevice(p.device.index));
+  CK(static_cast<cudaError_t>(attnrt_cuda_sm90::launch_sparse_decode(a, p.q_dtype, stream)));
+  return ATTNRT_OK;
+}
+
 int32_t p_run(attnrt_plan plan, const attnrt_tensors* t, void* stream) {
   try {
     if (!plan) return fail(ATTNRT_INVALID, "null plan");
     const Sm90Plan& pl = *reinterpret_cast<const Sm90Plan*>(plan);
+    if (pl.problem.op == ATTNRT_OP_SPARSE_DECODE) return run_fused(pl, t, stream);
     return is_index_op(pl.problem.op) ? run_index(pl, t, stream) : run_attend(pl, t, stream);
   } catch (...) {
     return fail(ATTNRT_INTERNAL, "exception in cuda_sm90 run");
@@ -492,7 +536,8 @@ int32_t p_describe_device(attnrt_device d, char* buf, size_t cap) {
   if (int32_t s = check_device(d); s != ATTNRT_OK) return s;
   const attnrt_cuda_common::DeviceInfo& i = g_rt.info(d.index);
   std::snprintf(buf, cap, "%s, sm_%d%d, %d SMs, %s", i.name, i.major, i.minor, i.sms,
-                i.major == 9 ? "sparse indexer and attend, extend and decode" : "not Hopper: fast path off");
+                i.major == 9 ? "sparse indexer and attend, extend and decode; fused sparse decode"
+                             : "not Hopper: fast path off");
   return ATTNRT_OK;
 }
 
