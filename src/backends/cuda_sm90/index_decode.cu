@@ -150,37 +150,48 @@ __device__ __forceinline__ void attend_selected(const SparseDecodeArgs& a, int b
 
 // Fused, the request's last CTA: out and lse of head tid / 8, dims 16 * (tid % 8) .. + 16, from
 // the keff slots' partials weighed by their lse, with the sink folded in. Per thread, no
-// barrier (warp 0 joins after sorting topk).
+// barrier (warp 0 joins after sorting topk). The slots' loads are independent and issued
+// together, 4 dims of every slot at a time: a load per slot in turn would chain 16 L2 round trips.
 template <typename T>
 __device__ __forceinline__ void merge_slots(const SparseDecodeArgs& a, int b, int keff) {
   using namespace attnrt_cuda_common;
   static_assert(kThreads * 16 == kHeads * kHeadDim, "16 outputs a thread");
   const int tid = threadIdx.x, h = tid >> 3, d0 = (tid & 7) * 16;
   const int64_t base = static_cast<int64_t>(b) * kTopK * kHeads + h;
-  float l2[kTopK], M = -INFINITY;
+  float w[kTopK], M = -INFINITY;
 #pragma unroll
   for (int r = 0; r < kTopK; ++r) {
-    l2[r] = r < keff ? __ldcg(a.part_lse + base + r * kHeads) : -INFINITY;
-    M = fmaxf(M, l2[r]);
+    // Slots past keff hold no partial (stale data): never read.
+    w[r] = r < keff ? __ldcg(a.part_lse + base + r * kHeads) : -INFINITY;
+    M = fmaxf(M, w[r]);
   }
-  float acc[16], L = 0.f;
-#pragma unroll
-  for (int i = 0; i < 16; ++i) acc[i] = 0.f;
+  float L = 0.f;
 #pragma unroll
   for (int r = 0; r < kTopK; ++r) {
-    if (r >= keff) break;  // slots past keff hold no partial (stale data)
-    const float w = M == -INFINITY ? 0.f : exp2f(l2[r] - M);
-    const float4* src =
-        reinterpret_cast<const float4*>(a.part_o + (base + r * kHeads) * kHeadDim + d0);
+    w[r] = w[r] == -INFINITY ? 0.f : exp2f(w[r] - M);
+    L += w[r];
+  }
+  const float4* src = reinterpret_cast<const float4*>(a.part_o + base * kHeadDim + d0);
+  constexpr int kSlotStride = kHeads * kHeadDim / 4;  // float4s from one slot to the next
+  float acc[16];
 #pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const float4 v = __ldcg(src + k);
-      acc[4 * k] += w * v.x;
-      acc[4 * k + 1] += w * v.y;
-      acc[4 * k + 2] += w * v.z;
-      acc[4 * k + 3] += w * v.w;
+  for (int k = 0; k < 4; ++k) {
+    float4 v[kTopK];
+#pragma unroll
+    for (int r = 0; r < kTopK; ++r)
+      v[r] = r < keff ? __ldcg(src + r * kSlotStride + k) : make_float4(0.f, 0.f, 0.f, 0.f);
+    float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int r = 0; r < kTopK; ++r) {
+      sum.x += w[r] * v[r].x;
+      sum.y += w[r] * v[r].y;
+      sum.z += w[r] * v[r].z;
+      sum.w += w[r] * v[r].w;
     }
-    L += w;
+    acc[4 * k] = sum.x;
+    acc[4 * k + 1] = sum.y;
+    acc[4 * k + 2] = sum.z;
+    acc[4 * k + 3] = sum.w;
   }
   float cf = 1.f;
   if (a.att.sink != nullptr) cf = fold_sink(M, L, a.att.sink[h]);
