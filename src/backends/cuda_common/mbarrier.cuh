@@ -47,6 +47,12 @@ __device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t b
       : "memory");
 }
 
+// Asks the copy engine to bring `bytes` at `src` into L2 (no completion to wait for); `bytes` a
+// multiple of 16, `src` 16-aligned.
+__device__ __forceinline__ void bulk_prefetch_l2(const void* src, uint32_t bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
+}
+
 // Tensor-map (TMA) copy of one box of a 4-d map at element coordinates (c0 innermost .. c3) into
 // shared memory at `dst` (aligned as the map's swizzle needs), its bytes counted by `bar`.
 // `map`: the generic address of a CUtensorMap in kernel-parameter, constant or global memory.

@@ -9,15 +9,16 @@
 // j < kv_len). Top-16: the request's CTAs meet at a barrier, each ranks its own blocks against all
 // of the request's scores (ties to the lowest ids, forced init/local blocks, NaN -> -1e30) and
 // writes those of rank < 16 to their slot; the last CTA to finish puts the 16 slots in ascending
-// id order. Padding is -1. That last CTA also sets the request's counters back to zero (every
-// CTA has passed the barrier by then), so the next launch, or a captured graph's replay, starts
-// from zero.
+// id order. Padding is -1. The request's counters only grow, so the next launch, or a captured
+// graph's replay, needs no reset.
 //
-// Fused with the attend (launch_sparse_decode, op sparse_decode): the CTA that ranks a block into
-// the top 16 attends it (decode_block_attend.cuh) as soon as the selection is known, with the
-// block's page id in hand, and writes the block's partial to the request's slot `rank`; the last
-// CTA merges the slots. This removes, against the two launches, the attend's wait for the whole
-// indexer grid to drain and its second read of the selections and page ids.
+// Fused with the attend (launch_sparse_decode, op sparse_decode): the CTA that ranks blocks into
+// the top 16 attends them (decode_block_attend.cuh) as soon as the selection is known, with their
+// page ids in hand, and writes one partial (normalised o, log2 lse) to the slot of its lowest
+// rank. The CTAs that hold slots then wait for the request's other CTAs and split the merge of
+// the 16 heads between them; rank 0's holder sorts topk, the last holder resets the counters.
+// This removes, against the two launches, the attend's wait for the whole indexer grid to drain,
+// its second read of the selections and page ids, and a merge by one CTA.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -42,7 +43,8 @@ namespace attnrt_cuda_sm90 {
 // Profiling builds only (cuda_common/phase_trace.cuh): where each CTA is when.
 ATTNRT_PHASE_TABLE(sm90_index_decode, "start,first page,scored,barrier passed,ranked,sorted")
 ATTNRT_PHASE_TABLE(sm90_sparse_decode,
-                   "start,first page,scored,barrier passed,ranked,attended,counted,merged")
+                   "start,first page,scored,barrier passed,ranked,kv landed,computed,attended,all attended,"
+                   "merged")
 
 namespace {
 
@@ -71,13 +73,22 @@ __device__ __forceinline__ float2 to_float2(uint32_t x, __half) {
   return __half22float2(*reinterpret_cast<const __half2*>(&x));
 }
 
-__device__ __forceinline__ void red_release_add(uint32_t* p, uint32_t v) {
-  asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+__device__ __forceinline__ __nv_bfloat16 from_float(float x, __nv_bfloat16) {
+  return __float2bfloat16_rn(x);
 }
-__device__ __forceinline__ uint32_t ld_acquire(const uint32_t* p) {
-  uint32_t v;
-  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+__device__ __forceinline__ __half from_float(float x, __half) { return __float2half_rn(x); }
+
+// The request's counters (index_decode.h): 64-bit, so they only ever grow.
+__device__ __forceinline__ void red_release_add(uint64_t* p, uint64_t v) {
+  asm volatile("red.release.gpu.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ uint64_t ld_acquire(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
   return v;
+}
+__device__ __forceinline__ uint64_t atom_add(uint64_t* p, uint64_t v) {
+  return atomicAdd(reinterpret_cast<unsigned long long*>(p), static_cast<unsigned long long>(v));
 }
 
 // Dot product of 8 16-bit values with 8 floats.
@@ -94,24 +105,18 @@ __device__ __forceinline__ float dot8(uint4 v, const float* q) {
   return acc;
 }
 
-__device__ __forceinline__ uint32_t atom_acq_rel_add(uint32_t* p, uint32_t v) {
-  uint32_t old;
-  asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], %2;"
-               : "=r"(old)
-               : "l"(p), "r"(v)
-               : "memory");
-  return old;
-}
-
-// Fused: attends each block this CTA ranked into the top 16 (s_mine, by rank), one at a time
-// through the stages, and writes each block's partial to the request's slot of its rank. Every
-// thread calls it; q's copy into sQ was issued at the kernel's start.
+// Fused: attends every block this CTA ranked into the top 16 (s_mine, by rank) in one online
+// softmax, one block at a time through the stages, and writes the CTA's partial to the slot of
+// its lowest rank; its other slots get lse = -inf (no mass; their o is never read). The blocks
+// after the first are prefetched into L2 as soon as they are known, so that their copies into
+// shared memory overlap the first block's. Every thread calls it; q's copy into sQ was issued
+// at the kernel's start. Returns how many blocks the CTA attended; s_sel_rank holds their ranks.
 template <typename T>
-__device__ __forceinline__ void attend_selected(const SparseDecodeArgs& a, int b, int kv,
-                                                const int32_t* pages, unsigned char* stages,
-                                                const T* sQ, const int* s_mine, int* s_sel_block,
-                                                int* s_sel_rank, int& s_nsel,
-                                                PartialShared& s_part) {
+__device__ __forceinline__ int attend_selected(const SparseDecodeArgs& a, int b, int kv,
+                                               const int32_t* pages, unsigned char* stages,
+                                               const T* sQ, const int* s_mine, int* s_sel_block,
+                                               int* s_sel_rank, int& s_nsel,
+                                               PartialShared& s_part) {
   using namespace attnrt_cuda_common;
   const int tid = threadIdx.x;
   if (tid < 32) {  // compact in rank order: the partials never depend on timing
@@ -124,87 +129,113 @@ __device__ __forceinline__ void attend_selected(const SparseDecodeArgs& a, int b
     }
     if (tid == 0) s_nsel = __popc(ballot);
   }
-  cp_wait<0>();  // q
   __syncthreads();
   const int nsel = s_nsel;
+  if (nsel == 0) {
+    cp_wait<0>();  // q's copy: none is left in flight
+    return 0;
+  }
   T* sK = reinterpret_cast<T*>(stages);
   T* sV = sK + kBlock * kHeadDim;
   const T* kc = static_cast<const T*>(a.att.kc);
   const T* vc = static_cast<const T*>(a.att.vc);
-  for (int i = 0; i < nsel; ++i) {
-    const int c = s_sel_block[i], j0 = c * kBlock;
+  auto load = [&](int i) {
+    const int c = s_sel_block[i];
     load_block_kv(sK, sV, kc, vc, static_cast<int64_t>(pages[c]), a.att.k_s0, a.att.k_s1,
-                  a.att.v_s0, a.att.v_s1, min(kBlock, kv - j0));
-    cp_wait<0>();
-    __syncthreads();
-    DecodeWarpState st;
-    st.reset();
-    attend_block(st, sQ, sK, sV, j0, min(j0 + kBlock, kv), a.scale_log2);
-    __syncthreads();  // K and V read: cta_partial's scratch overlays them
-    const int64_t slot = (static_cast<int64_t>(b) * kTopK + s_sel_rank[i]) * kHeads;
-    cta_partial(st, reinterpret_cast<float*>(stages), s_part, a.part_o + slot * kHeadDim,
-                a.part_lse + slot);
-    __syncthreads();  // the scratch read before the next block's copy
+                  a.att.v_s0, a.att.v_s1, min(kBlock, kv - c * kBlock));
+  };
+  load(0);
+  static_assert(kThreads == kBlock, "a thread prefetches one key row of each later block");
+  for (int i = 1; i < nsel; ++i) {
+    const int c = s_sel_block[i];
+    if (c * kBlock + tid < kv) {
+      const int64_t page = pages[c];
+      bulk_prefetch_l2(kc + page * a.att.k_s0 + tid * a.att.k_s1, kHeadDim * sizeof(T));
+      bulk_prefetch_l2(vc + page * a.att.v_s0 + tid * a.att.v_s1, kHeadDim * sizeof(T));
+    }
   }
+  DecodeWarpState st;
+  st.reset();
+  for (int i = 0; i < nsel; ++i) {
+    cp_wait<0>();  // block i (and q)
+    __syncthreads();
+    if (i == 0) ATTNRT_PHASE(sm90_sparse_decode, 5);
+    const int j0 = s_sel_block[i] * kBlock;
+    attend_block(st, sQ, sK, sV, j0, min(j0 + kBlock, kv), a.scale_log2);
+    __syncthreads();  // K and V read: the next block's copy, or cta_partial's scratch, overlays them
+    if (i + 1 < nsel) load(i + 1);
+  }
+  ATTNRT_PHASE(sm90_sparse_decode, 6);
+  const int64_t slots = static_cast<int64_t>(b) * kTopK;
+  const int64_t first = (slots + s_sel_rank[0]) * kHeads;
+  cta_partial(st, reinterpret_cast<float*>(stages), s_part, a.part_o + first * kHeadDim,
+              a.part_lse + first);
+  for (int i = tid; i < (nsel - 1) * kHeads; i += kThreads)
+    a.part_lse[(slots + s_sel_rank[1 + i / kHeads]) * kHeads + i % kHeads] = -INFINITY;
+  return nsel;
 }
 
-// Fused, the request's last CTA: out and lse of head tid / 8, dims 16 * (tid % 8) .. + 16, from
-// the keff slots' partials weighed by their lse, with the sink folded in. Per thread, no
-// barrier (warp 0 joins after sorting topk). The slots' loads are independent and issued
-// together, 4 dims of every slot at a time: a load per slot in turn would chain 16 L2 round trips.
+// Fused, a CTA that holds slots, once every CTA of the request has written its partial: heads h
+// with h % keff among the ranks of its slots (head = rank when keff is 16), so that the request's
+// slot holders split the 16 heads. Thread tid takes dim tid of a head: out and lse from the keff
+// slots' partials weighed by their lse, the sink folded in. Two heads a pass, every slot's lse
+// and o loaded together: one round of L2 loads a pass.
 template <typename T>
-__device__ __forceinline__ void merge_slots(const SparseDecodeArgs& a, int b, int keff) {
-  using namespace attnrt_cuda_common;
-  static_assert(kThreads * 16 == kHeads * kHeadDim, "16 outputs a thread");
-  const int tid = threadIdx.x, h = tid >> 3, d0 = (tid & 7) * 16;
-  const int64_t base = static_cast<int64_t>(b) * kTopK * kHeads + h;
-  float w[kTopK], M = -INFINITY;
-#pragma unroll
-  for (int r = 0; r < kTopK; ++r) {
-    // Slots past keff hold no partial (stale data): never read.
-    w[r] = r < keff ? __ldcg(a.part_lse + base + r * kHeads) : -INFINITY;
-    M = fmaxf(M, w[r]);
+__device__ __forceinline__ void merge_heads(const SparseDecodeArgs& a, int b, int keff,
+                                            const int* ranks, int nranks, int* s_heads,
+                                            int& s_nheads) {
+  using attnrt_cuda_common::fold_sink;
+  using attnrt_cuda_common::natural_lse;
+  const int tid = threadIdx.x;
+  static_assert(kThreads == kHeadDim, "a thread per dim");
+  if (tid < 32) {
+    bool mine = false;
+    if (tid < kHeads)
+      for (int i = 0; i < nranks; ++i) mine = mine || ranks[i] == tid % keff;
+    const unsigned ballot = __ballot_sync(0xffffffffu, mine);
+    if (mine) s_heads[__popc(ballot & ((1u << tid) - 1u))] = tid;
+    if (tid == 0) s_nheads = __popc(ballot);
   }
-  float L = 0.f;
+  __syncthreads();
+  const int nh = s_nheads;
+  const int64_t base = static_cast<int64_t>(b) * kTopK * kHeads;  // slot 0, head 0
+  constexpr int kPass = 2;
+  for (int i0 = 0; i0 < nh; i0 += kPass) {
+    int h[kPass];
+    float w[kPass][kTopK], v[kPass][kTopK];
 #pragma unroll
-  for (int r = 0; r < kTopK; ++r) {
-    w[r] = w[r] == -INFINITY ? 0.f : exp2f(w[r] - M);
-    L += w[r];
-  }
-  const float4* src = reinterpret_cast<const float4*>(a.part_o + base * kHeadDim + d0);
-  constexpr int kSlotStride = kHeads * kHeadDim / 4;  // float4s from one slot to the next
-  float acc[16];
+    for (int u = 0; u < kPass; ++u) {
+      h[u] = s_heads[min(i0 + u, nh - 1)];  // past nh: the last head again, not stored
 #pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    float4 v[kTopK];
-#pragma unroll
-    for (int r = 0; r < kTopK; ++r)
-      v[r] = r < keff ? __ldcg(src + r * kSlotStride + k) : make_float4(0.f, 0.f, 0.f, 0.f);
-    float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-    for (int r = 0; r < kTopK; ++r) {
-      sum.x += w[r] * v[r].x;
-      sum.y += w[r] * v[r].y;
-      sum.z += w[r] * v[r].z;
-      sum.w += w[r] * v[r].w;
+      for (int r = 0; r < kTopK; ++r) {
+        const int64_t slot = base + r * kHeads + h[u];
+        w[u][r] = r < keff ? __ldcg(a.part_lse + slot) : -INFINITY;
+        v[u][r] = r < keff ? __ldcg(a.part_o + slot * kHeadDim + tid) : 0.f;
+      }
     }
-    acc[4 * k] = sum.x;
-    acc[4 * k + 1] = sum.y;
-    acc[4 * k + 2] = sum.z;
-    acc[4 * k + 3] = sum.w;
-  }
-  float cf = 1.f;
-  if (a.att.sink != nullptr) cf = fold_sink(M, L, a.att.sink[h]);
-  const float f = L > 0.f ? cf / L : 0.f;
-  uint32_t packed[8];
 #pragma unroll
-  for (int i = 0; i < 8; ++i) packed[i] = Mma<T>::pack(acc[2 * i] * f, acc[2 * i + 1] * f);
-  uint4* dst = reinterpret_cast<uint4*>(static_cast<T*>(a.att.out) +
-                                        static_cast<int64_t>(b) * a.att.o_s0 + h * a.att.o_s1 + d0);
-  dst[0] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
-  dst[1] = make_uint4(packed[4], packed[5], packed[6], packed[7]);
-  if ((tid & 7) == 0 && a.att.lse != nullptr)
-    a.att.lse[static_cast<int64_t>(b) * a.att.lse_s0 + h] = natural_lse(M, L);
+    for (int u = 0; u < kPass; ++u) {
+      if (i0 + u >= nh) break;
+      float M = -INFINITY;
+#pragma unroll
+      for (int r = 0; r < kTopK; ++r) M = fmaxf(M, w[u][r]);
+      float L = 0.f, acc = 0.f;
+#pragma unroll
+      for (int r = 0; r < kTopK; ++r) {
+        // A slot with no mass (lse -inf) adds nothing: its o is not a partial.
+        const float e = w[u][r] == -INFINITY ? 0.f : exp2f(w[u][r] - M);
+        L += e;
+        acc = e == 0.f ? acc : fmaf(e, v[u][r], acc);
+      }
+      float cf = 1.f;
+      if (a.att.sink != nullptr) cf = fold_sink(M, L, a.att.sink[h[u]]);
+      const float o = L > 0.f ? acc * cf / L : 0.f;
+      T* dst = static_cast<T*>(a.att.out) + static_cast<int64_t>(b) * a.att.o_s0 + h[u] * a.att.o_s1;
+      dst[tid] = from_float(o, T{});
+      if (tid == 0 && a.att.lse != nullptr)
+        a.att.lse[static_cast<int64_t>(b) * a.att.lse_s0 + h[u]] = natural_lse(M, L);
+    }
+  }
 }
 
 // Phase stamps of whichever kernel this is (profiling builds only).
@@ -222,6 +253,7 @@ __global__ void __launch_bounds__(kThreads, kFused ? 3 : 1) index_decode_kernel(
   __shared__ int s_last;
   // Fused: the CTA's selected blocks by rank (-1: another CTA's), then compacted.
   __shared__ int s_mine[kTopK], s_sel_block[kTopK], s_sel_rank[kTopK], s_nsel;
+  __shared__ int s_heads[kHeads], s_nheads;  // fused: the heads this CTA merges
   __shared__ PartialShared s_part;
 
   INDEX_PHASE(0);
@@ -235,11 +267,18 @@ __global__ void __launch_bounds__(kThreads, kFused ? 3 : 1) index_decode_kernel(
   const int c0 = part * a.blocks_per_cta;
   const int c1 = min(c0 + a.blocks_per_cta, nblk);
   const int32_t* pages = a.page_ids + a.page_indptr[b];
+  // The request's counters [arrivals, CTAs done, launches] only grow: every CTA adds 1 to each
+  // in every launch, and a plan's launches run one after another, so the count this launch
+  // reaches (thread 0 holds it) follows from the launches before it; no reset at the end.
+  uint64_t* sync = a.sync + kSyncWords * b;
+  uint64_t target = 0;
+  if (tid == 0) {
+    const uint64_t ctas = static_cast<uint64_t>(a.ctas_per_request);
+    target = (atom_add(&sync[2], 1) / ctas + 1) * ctas;
+  }
   const T* kc = static_cast<const T*>(a.kc);
   T* sQ = reinterpret_cast<T*>(stages + kStages * kPageBytes);  // fused: the attention's q
   if constexpr (kFused) {
-    load_q(sQ, static_cast<const T*>(a.att.q) + static_cast<int64_t>(b) * a.att.q_s0,
-           a.att.q_s1);
     if (tid < kTopK) s_mine[tid] = -1;
   }
 
@@ -259,6 +298,9 @@ __global__ void __launch_bounds__(kThreads, kFused ? 3 : 1) index_decode_kernel(
     for (int s = 0; s < kStages && c0 + s < c1; ++s) issue(s, first[s]);
   }
   __syncthreads();
+  if constexpr (kFused)  // after the first index pages: those are on the critical path
+    load_q(sQ, static_cast<const T*>(a.att.q) + static_cast<int64_t>(b) * a.att.q_s0,
+           a.att.q_s1);
 
   // This thread's 16 query dims: [8*sub, 8*sub+8) and [64+8*sub, 64+8*sub+8).
   const int sub = tid & 7;
@@ -315,11 +357,14 @@ __global__ void __launch_bounds__(kThreads, kFused ? 3 : 1) index_decode_kernel(
   int32_t* out = a.topk + static_cast<int64_t>(b) * a.t_s1;
   if (part == 0)
     for (int k = keff + tid; k < kTopK; k += kThreads) out[k * a.t_s2] = -1;
-  uint32_t* sync = a.sync + 2 * b;  // [arrivals, rankers done]
   if (nvis <= kTopK) {
     for (int c = c0 + tid; c < c1; c += kThreads) {
       out[c * a.t_s2] = c;
       if constexpr (kFused) s_mine[c] = c;  // rank = id
+    }
+    if (tid == 0) {
+      red_release_add(&sync[0], 1);  // counted, never waited for
+      if constexpr (!kFused) red_release_add(&sync[1], 1);
     }
     if constexpr (!kFused) return;
   } else {
@@ -332,8 +377,8 @@ __global__ void __launch_bounds__(kThreads, kFused ? 3 : 1) index_decode_kernel(
       // peers' scores come after) until every CTA of the request has arrived: one memory round
       // trip after the last arrival, no generation to flip. Polled gently: up to a few hundred
       // threads of the grid spin while others still stream.
-      red_release_add(&sync[0], 1u);
-      while (ld_acquire(&sync[0]) < static_cast<uint32_t>(a.ctas_per_request)) __nanosleep(20);
+      red_release_add(&sync[0], 1);
+      while (ld_acquire(&sync[0]) < target) __nanosleep(20);
     }
     __syncthreads();
     INDEX_PHASE(3);
@@ -379,45 +424,51 @@ __global__ void __launch_bounds__(kThreads, kFused ? 3 : 1) index_decode_kernel(
   __syncthreads();
   INDEX_PHASE(4);
   if constexpr (kFused) {
-    attend_selected<T>(a, b, kv, pages, stages, sQ, s_mine, s_sel_block, s_sel_rank, s_nsel,
-                       s_part);
-    INDEX_PHASE(5);
-    // Count this CTA done once its slots and partials are written: the barrier orders every
-    // thread's stores before thread 0's release (the pattern of a split-K semaphore), and the
-    // last CTA's acquire makes them visible to it.
-    if (tid == 0)
-      s_last = atom_acq_rel_add(&sync[1], 1u) == static_cast<uint32_t>(a.ctas_per_request) - 1;
+    const int nsel = attend_selected<T>(a, b, kv, pages, stages, sQ, s_mine, s_sel_block,
+                                        s_sel_rank, s_nsel, s_part);
+    INDEX_PHASE(7);
+    // Count this CTA done once its slots' lse and partial are written: the barrier orders every
+    // thread's stores before thread 0's release (the pattern of a split-K semaphore); the slot
+    // holders' acquire makes them visible to them.
     __syncthreads();
-    INDEX_PHASE(6);
-    if (!s_last) return;
+    if (tid == 0) red_release_add(&sync[1], 1);
+    if (nsel == 0) return;
+    // A slot holder waits for every CTA of the request (co-resident: a cooperative launch, or
+    // alone), then merges its share of the heads: the merge is spread over up to 16 CTAs
+    // instead of 16 heads' loads in one.
+    if (tid == 0)
+      while (ld_acquire(&sync[1]) < target) __nanosleep(20);
+    __syncthreads();
+    INDEX_PHASE(8);
+    // Rank 0's holder puts topk in id order: slot k holds the block of rank k; its place in id
+    // order is how many selected ids are smaller. The ids load along with the merge's loads.
+    const bool sorter = s_sel_rank[0] == 0 && warp == 0;
+    const int id = sorter && lane < keff ? __ldcg(out + lane * a.t_s2) : INT_MAX;
+    merge_heads<T>(a, b, keff, s_sel_rank, nsel, s_heads, s_nheads);
+    if (sorter) {
+      int at = 0;
+#pragma unroll
+      for (int k = 0; k < kTopK; ++k) at += __shfl_sync(0xffffffffu, id, k) < id;
+      __syncwarp();
+      if (lane < keff) out[at * a.t_s2] = id;
+    }
+    INDEX_PHASE(9);
   } else {
     if (tid == 0) {
       __threadfence();
-      s_last = atomicAdd(&sync[1], 1u) == static_cast<uint32_t>(a.ctas_per_request) - 1;
+      s_last = atom_add(&sync[1], 1) + 1 == target;
     }
     __syncthreads();
-    if (!s_last) return;
+    if (!s_last || warp != 0) return;
     __threadfence();
-  }
-  if (warp != 0) {
-    if constexpr (kFused) merge_slots<T>(a, b, keff);
-    return;
-  }
-  if (lane == 0) {  // every CTA is past the barrier: ready for the next launch (graph replay)
-    sync[0] = 0;
-    sync[1] = 0;
-  }
-  // Slot k holds the block of rank k; its place in id order is how many selected ids are smaller.
-  const int id = lane < keff ? __ldcg(out + lane * a.t_s2) : INT_MAX;
-  int at = 0;
+    // Slot k holds the block of rank k; its place in id order is how many selected ids are
+    // smaller.
+    const int id = lane < keff ? __ldcg(out + lane * a.t_s2) : INT_MAX;
+    int at = 0;
 #pragma unroll
-  for (int k = 0; k < kTopK; ++k) at += __shfl_sync(0xffffffffu, id, k) < id;
-  __syncwarp();
-  if (lane < keff) out[at * a.t_s2] = id;
-  if constexpr (kFused) {
-    merge_slots<T>(a, b, keff);
-    INDEX_PHASE(7);
-  } else {
+    for (int k = 0; k < kTopK; ++k) at += __shfl_sync(0xffffffffu, id, k) < id;
+    __syncwarp();
+    if (lane < keff) out[at * a.t_s2] = id;
     INDEX_PHASE(5);
   }
 }

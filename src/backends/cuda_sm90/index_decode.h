@@ -30,19 +30,22 @@ struct IndexArgsBase {
 };
 
 // Decode: T = n, scores [n, block_capacity].
+constexpr int kSyncWords = 4;  // counters of a request: arrivals, CTAs done, launches, spare
+
 struct IndexDecodeArgs : IndexArgsBase {
-  uint32_t* sync;          // [n][2] barrier and completion counters, zero before the first launch
+  uint64_t* sync;          // [n][kSyncWords] counters, zero before the plan's first launch
   int n, block_capacity, blocks_per_cta, ctas_per_request;
 };
 
 // The whole sparse decode step (op sparse_decode): the indexer above, then the attention of the
-// 16 query heads (attend_decode.h's shape) over the selected blocks, in the same launch. The CTA
-// that ranks a block into the top 16 attends it right away (its page id is in hand) and writes
-// the block's partial (normalised o, log2 lse) to the request's slot `rank`; the request's last
-// CTA to finish merges the slots by lse into out and lse, besides sorting topk.
+// 16 query heads (attend_decode.h's shape) over the selected blocks, in the same launch. A CTA
+// that ranks blocks into the top 16 attends them right away (their page ids are in hand) and
+// writes one partial (normalised o, log2 lse) to the slot of its lowest rank, lse = -inf to its
+// other slots; the slot holders merge the slots by lse into out and lse, a share of the heads
+// each, and sort topk.
 struct SparseDecodeArgs : IndexDecodeArgs {
   attnrt_cuda_common::AttendTensors att;  // q, caches, out, lse, sink of the attention
-  float* part_o;    // [n][16 slots][16 heads][128]
+  float* part_o;    // [n][16 slots][16 heads][128]; a slot of lse -inf holds no o
   float* part_lse;  // [n][16 slots][16 heads], log2
   float scale_log2;  // sm_scale * log2(e)
 };

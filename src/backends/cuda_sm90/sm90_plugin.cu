@@ -86,7 +86,7 @@ struct Sm90Plan {
   int num_items = 0;                             // extend indexer
   int32_t *d_kv_len = nullptr, *d_page_indptr = nullptr, *d_page_ids = nullptr;
   int32_t* d_counters = nullptr;  // extend
-  uint32_t* d_sync = nullptr;     // decode indexer: [n][2]
+  uint64_t* d_sync = nullptr;     // decode indexer: [n][kSyncWords]
   float* d_part_o32 = nullptr;    // sparse_decode: [n][16 slots][16 heads][128], lse in d_part_lse
   float* d_scores = nullptr;                              // indexer
   float* d_part_lse = nullptr;                            // extend attend
@@ -292,8 +292,9 @@ int32_t plan_impl(const attnrt_problem* p, const attnrt_layout* L, Sm90Plan* pl)
              sizeof g_error))
     return ATTNRT_INTERNAL;
   if (reads_index_inputs(p->op)) {
-    CK(cudaMalloc(reinterpret_cast<void**>(&pl->d_sync), sizeof(uint32_t) * 2 * std::max(n, 1)));
-    CK(cudaMemset(pl->d_sync, 0, sizeof(uint32_t) * 2 * std::max(n, 1)));
+    const size_t words = sizeof(uint64_t) * attnrt_cuda_sm90::kSyncWords * std::max(n, 1);
+    CK(cudaMalloc(reinterpret_cast<void**>(&pl->d_sync), words));
+    CK(cudaMemset(pl->d_sync, 0, words));
     CK(cudaMalloc(reinterpret_cast<void**>(&pl->d_scores),
                   sizeof(float) * std::max<size_t>(1, static_cast<size_t>(n) * pl->block_capacity)));
   }
