@@ -364,101 +364,171 @@ double queued_ms(const attnrt_plugin_v1* pg, attnrt_plan plan, const attnrt_tens
          timed;
 }
 
-// Runs the indexer twice (poisoned output; repeats must be bit-identical) through `plug`
-// (default: the binary's plugin); *ms: mean time of `timed` queued runs after 3 warm-ups.
-std::vector<int32_t> run_index(const Batch& B, const SparseParams& S, const Paging& P, bool decode,
-                               double* ms = nullptr, int timed = 0,
-                               const attnrt_plugin_v1* plug = nullptr) {
-  const attnrt_plugin_v1* pg = plug ? plug : g_plugin;
-  const int op = decode ? ATTNRT_OP_SPARSE_INDEX_DECODE : ATTNRT_OP_SPARSE_INDEX_EXTEND;
-  attnrt_problem p = problem_of(op, B, S, P.ps);
-  attnrt_layout L = layout_of(B, P);
-  std::vector<int32_t> out(static_cast<size_t>(B.hidx) * B.T * S.K);
-  EXPECT_EQ(pg->probe(&p), ATTNRT_OK) << pg->last_error();
-  attnrt_plan plan = nullptr;
-  EXPECT_EQ(pg->plan(&p, &L, &plan), ATTNRT_OK) << pg->last_error();
-  if (!plan) return out;
-  std::vector<uint16_t> pool = to_pool(B, P, B.ik, 1, B.didx);
-  Dev dq(B.iq.size() * 2), dk(pool.size() * 2), dt(out.size() * 4);
-  dq.up(B.iq.data(), B.iq.size() * 2);
-  dk.up(pool.data(), pool.size() * 2);
-  attnrt_tensors ts{};
-  ts.index_q = tensor(dq.p, B.dtype, 3, {B.T, B.hidx, B.didx});
-  ts.index_k_cache = tensor(dk.p, B.dtype, 4, {P.num_pages, P.ps, 1, B.didx});
-  ts.topk = tensor(dt.p, ATTNRT_I32, 3, {B.hidx, B.T, S.K});
-  std::vector<int32_t> first;
-  for (int rep = 0; rep < 2; ++rep) {
-    std::vector<int32_t> poison(out.size(), -7);
-    dt.up(poison.data(), poison.size() * 4);
-    EXPECT_EQ(pg->run(plan, &ts, nullptr), ATTNRT_OK) << pg->last_error();
-    EXPECT_EQ(pg->synchronize({1, 0}), ATTNRT_OK) << pg->last_error();
-    dt.down(out.data(), out.size() * 4);
-    if (rep == 0) first = out;
-  }
-  EXPECT_EQ(first, out) << "indexer repeat not bit-identical";
-  if (ms && timed > 0) *ms = queued_ms(pg, plan, ts, timed);
-  pg->destroy_plan(plan);
-  return out;
-}
-
 struct AttendOut {
   std::vector<uint16_t> o;
   std::vector<float> lse;
 };
 
-// op: sparse_attend_* (topk given) or dense_* (topk ignored). Two runs, bit-identical, through
-// `plug` (default: the binary's plugin); *ms as run_index.
-AttendOut run_attend(int op, const Batch& B, const SparseParams& S, const Paging& P,
-                     const std::vector<int32_t>* topk, double* ms = nullptr, int timed = 0,
-                     const attnrt_plugin_v1* plug = nullptr) {
+// A batch on cuda:0: the inputs of `op` (the caches scattered into P's page pool; sparse_decode:
+// every input of the indexer and of the attend) and a buffer for every output. tensors(op) views
+// what `op`, or a step of it, reads and writes (sink and lse as S asks, topk for the sparse ops);
+// poison() fills the outputs with values no op writes; topk_host() and att_host() read them back.
+// A graph test builds it from the longest step's (Bmax, Pmax): shorter steps keep the same pool
+// and query rows.
+struct DeviceBatch {
+  const Batch& B;
+  const Paging& P;
+  const SparseParams S;
+  Dev iq, ik, q, k, v, sink, topk, out, lse;
+  DeviceBatch(const Batch& b, const Paging& p, const SparseParams& s, int op)
+      : B(b), P(p), S(s), iq(index(op) ? b.iq.size() * 2 : 0),
+        ik(index(op) ? pool_bytes(b.hidx, b.didx) : 0), q(attention(op) ? b.q.size() * 2 : 0),
+        k(attention(op) ? pool_bytes(b.hkv, b.d) : 0),
+        v(attention(op) ? pool_bytes(b.hkv, b.d) : 0), sink(b.sink.size() * 4),
+        topk(topk_count() * 4), out(out_count() * 2), lse(lse_count() * 4) {
+    if (index(op)) {
+      iq.up(B.iq.data(), B.iq.size() * 2);
+      upload_pool(ik, B.ik, 1, B.didx);
+    }
+    if (attention(op)) {
+      q.up(B.q.data(), B.q.size() * 2);
+      upload_pool(k, B.k, B.hkv, B.d);
+      upload_pool(v, B.v, B.hkv, B.d);
+    }
+    sink.up(B.sink.data(), B.sink.size() * 4);
+  }
+  static bool index(int op) {
+    return op == ATTNRT_OP_SPARSE_INDEX_EXTEND || op == ATTNRT_OP_SPARSE_INDEX_DECODE ||
+           op == ATTNRT_OP_SPARSE_DECODE;
+  }
+  static bool attention(int op) {
+    return op != ATTNRT_OP_SPARSE_INDEX_EXTEND && op != ATTNRT_OP_SPARSE_INDEX_DECODE;
+  }
+  size_t pool_bytes(int h, int d) const {
+    return static_cast<size_t>(P.num_pages) * P.ps * h * d * 2;
+  }
+  void upload_pool(Dev& dst, const std::vector<uint16_t>& x, int h, int d) {
+    const std::vector<uint16_t> pool = to_pool(B, P, x, h, d);
+    dst.up(pool.data(), pool.size() * 2);
+  }
+  size_t topk_count() const { return static_cast<size_t>(B.hidx) * B.T * S.K; }
+  size_t out_count() const { return static_cast<size_t>(B.T) * B.hq * B.d; }
+  size_t lse_count() const { return static_cast<size_t>(B.T) * B.hq; }
+  attnrt_tensors tensors(int op) const {
+    const bool sparse = op != ATTNRT_OP_DENSE_EXTEND && op != ATTNRT_OP_DENSE_DECODE;
+    attnrt_tensors ts{};
+    if (index(op)) {
+      ts.index_q = tensor(iq.p, B.dtype, 3, {B.T, B.hidx, B.didx});
+      ts.index_k_cache = tensor(ik.p, B.dtype, 4, {P.num_pages, P.ps, 1, B.didx});
+    }
+    if (sparse) ts.topk = tensor(topk.p, ATTNRT_I32, 3, {B.hidx, B.T, S.K});
+    if (attention(op)) {
+      ts.q = tensor(q.p, B.dtype, 3, {B.T, B.hq, B.d});
+      ts.k_cache = tensor(k.p, B.dtype, 4, {P.num_pages, P.ps, B.hkv, B.d});
+      ts.v_cache = tensor(v.p, B.dtype, 4, {P.num_pages, P.ps, B.hkv, B.d});
+      ts.out = tensor(out.p, B.dtype, 3, {B.T, B.hq, B.d});
+      if (S.lse) ts.lse = tensor(lse.p, ATTNRT_F32, 2, {B.T, B.hq});
+      if (S.sink) ts.sink = tensor(sink.p, ATTNRT_F32, 1, {B.hq});
+    }
+    return ts;
+  }
+  // Topk (an op's output) to -7, out to a NaN bit pattern, lse to NaN.
+  void poison() {
+    std::vector<int32_t> tp(topk_count(), -7);
+    std::vector<uint16_t> op(out_count(), 0x7fc1);
+    std::vector<float> lp(lse_count(), std::numeric_limits<float>::quiet_NaN());
+    topk.up(tp.data(), tp.size() * 4);
+    out.up(op.data(), op.size() * 2);
+    lse.up(lp.data(), lp.size() * 4);
+  }
+  void put_topk(const std::vector<int32_t>& t) {
+    if (t.size() != topk_count()) {
+      ADD_FAILURE() << "topk of " << t.size() << " entries for a batch of " << topk_count();
+      return;
+    }
+    topk.up(t.data(), t.size() * 4);
+  }
+  std::vector<int32_t> topk_host() const {
+    std::vector<int32_t> t(topk_count());
+    topk.down(t.data(), t.size() * 4);
+    return t;
+  }
+  AttendOut att_host() const {
+    AttendOut r;
+    r.o.resize(out_count());
+    r.lse.resize(lse_count());
+    out.down(r.o.data(), r.o.size() * 2);
+    lse.down(r.lse.data(), r.lse.size() * 4);
+    return r;
+  }
+};
+
+// One op through `plug` (default: the binary's plugin) on `D`: planned, run twice over poisoned
+// outputs (a sparse attend's given topk re-uploaded each time); the second run's outputs must
+// equal the first's bit for bit. *ms: mean time of `timed` queued runs after 3 warm-ups.
+void run_twice(int op, DeviceBatch& D, const std::vector<int32_t>* topk_in, double* ms,
+               int timed, const attnrt_plugin_v1* plug, std::vector<int32_t>* topk_out,
+               AttendOut* att) {
   const attnrt_plugin_v1* pg = plug ? plug : g_plugin;
-  attnrt_problem p = problem_of(op, B, S, P.ps);
-  attnrt_layout L = layout_of(B, P);
-  AttendOut r;
-  r.o.resize(static_cast<size_t>(B.T) * B.hq * B.d);
-  r.lse.resize(static_cast<size_t>(B.T) * B.hq);
+  attnrt_problem p = problem_of(op, D.B, D.S, D.P.ps);
+  attnrt_layout L = layout_of(D.B, D.P);
   EXPECT_EQ(pg->probe(&p), ATTNRT_OK) << pg->last_error();
   attnrt_plan plan = nullptr;
   EXPECT_EQ(pg->plan(&p, &L, &plan), ATTNRT_OK) << pg->last_error();
-  if (!plan) return r;
-  std::vector<uint16_t> kp = to_pool(B, P, B.k, B.hkv, B.d), vp = to_pool(B, P, B.v, B.hkv, B.d);
-  Dev dq(B.q.size() * 2), dk(kp.size() * 2), dv(vp.size() * 2), dout(r.o.size() * 2),
-      dlse(r.lse.size() * 4), dsink(B.sink.size() * 4), dt(topk ? topk->size() * 4 : 16);
-  dq.up(B.q.data(), B.q.size() * 2);
-  dk.up(kp.data(), kp.size() * 2);
-  dv.up(vp.data(), vp.size() * 2);
-  dsink.up(B.sink.data(), B.sink.size() * 4);
-  if (topk) dt.up(topk->data(), topk->size() * 4);
-  attnrt_tensors ts{};
-  ts.q = tensor(dq.p, B.dtype, 3, {B.T, B.hq, B.d});
-  ts.k_cache = tensor(dk.p, B.dtype, 4, {P.num_pages, P.ps, B.hkv, B.d});
-  ts.v_cache = tensor(dv.p, B.dtype, 4, {P.num_pages, P.ps, B.hkv, B.d});
-  ts.out = tensor(dout.p, B.dtype, 3, {B.T, B.hq, B.d});
-  if (S.lse) ts.lse = tensor(dlse.p, ATTNRT_F32, 2, {B.T, B.hq});
-  if (S.sink) ts.sink = tensor(dsink.p, ATTNRT_F32, 1, {B.hq});
-  if (topk) ts.topk = tensor(dt.p, ATTNRT_I32, 3, {B.hidx, B.T, S.K});
-  AttendOut first;
+  if (!plan) return;
+  const attnrt_tensors ts = D.tensors(op);
+  std::vector<int32_t> first_topk;
+  AttendOut first_att;
   for (int rep = 0; rep < 2; ++rep) {
-    std::vector<uint16_t> poison(r.o.size(), 0x7fc1);
-    std::vector<float> lp(r.lse.size(), std::numeric_limits<float>::quiet_NaN());
-    dout.up(poison.data(), poison.size() * 2);
-    dlse.up(lp.data(), lp.size() * 4);
+    D.poison();
+    if (topk_in) D.put_topk(*topk_in);
     EXPECT_EQ(pg->run(plan, &ts, nullptr), ATTNRT_OK) << pg->last_error();
     EXPECT_EQ(pg->synchronize({1, 0}), ATTNRT_OK) << pg->last_error();
-    dout.down(r.o.data(), r.o.size() * 2);
-    dlse.down(r.lse.data(), r.lse.size() * 4);
-    if (rep == 0) first = r;
+    if (topk_out) *topk_out = D.topk_host();
+    if (att) *att = D.att_host();
+    if (rep == 0) {
+      if (topk_out) first_topk = *topk_out;
+      if (att) first_att = *att;
+    }
   }
-  EXPECT_TRUE(first.o == r.o && std::memcmp(first.lse.data(), r.lse.data(), r.lse.size() * 4) == 0)
-      << "attend repeat not bit-identical";
+  if (topk_out) {
+    EXPECT_EQ(first_topk, *topk_out) << "op " << op << " repeat: topk not bit-identical";
+  }
+  if (att) {
+    EXPECT_TRUE(first_att.o == att->o &&
+                std::memcmp(first_att.lse.data(), att->lse.data(), att->lse.size() * 4) == 0)
+        << "op " << op << " repeat: out or lse not bit-identical";
+  }
   if (ms && timed > 0) *ms = queued_ms(pg, plan, ts, timed);
   pg->destroy_plan(plan);
+}
+
+// The indexer (decode or extend): its topk, from run_twice.
+std::vector<int32_t> run_index(const Batch& B, const SparseParams& S, const Paging& P, bool decode,
+                               double* ms = nullptr, int timed = 0,
+                               const attnrt_plugin_v1* plug = nullptr) {
+  const int op = decode ? ATTNRT_OP_SPARSE_INDEX_DECODE : ATTNRT_OP_SPARSE_INDEX_EXTEND;
+  DeviceBatch D(B, P, S, op);
+  std::vector<int32_t> out(D.topk_count());
+  run_twice(op, D, nullptr, ms, timed, plug, &out, nullptr);
+  return out;
+}
+
+// op: sparse_attend_* (on the given topk) or dense_* (topk ignored): out and lse, from run_twice.
+AttendOut run_attend(int op, const Batch& B, const SparseParams& S, const Paging& P,
+                     const std::vector<int32_t>* topk, double* ms = nullptr, int timed = 0,
+                     const attnrt_plugin_v1* plug = nullptr) {
+  DeviceBatch D(B, P, S, op);
+  AttendOut r;
+  r.o.resize(D.out_count());
+  r.lse.resize(D.lse_count());
+  const bool dense = op == ATTNRT_OP_DENSE_EXTEND || op == ATTNRT_OP_DENSE_DECODE;
+  run_twice(op, D, dense ? nullptr : topk, ms, timed, plug, nullptr, &r);
   return r;
 }
 
-// sparse_decode (indexer, then attend on its selections, in one call) through `plug` (default:
-// the binary's plugin): both its outputs, from two runs that must agree bit for bit, each over
-// poisoned topk, out and lse; *ms as run_index.
+// sparse_decode (indexer, then attend on its selections, in one call): both its outputs, from
+// run_twice.
 struct SparseDecodeOut {
   std::vector<int32_t> topk;
   AttendOut att;
@@ -466,59 +536,12 @@ struct SparseDecodeOut {
 SparseDecodeOut run_sparse_decode(const Batch& B, const SparseParams& S, const Paging& P,
                                   double* ms = nullptr, int timed = 0,
                                   const attnrt_plugin_v1* plug = nullptr) {
-  const attnrt_plugin_v1* pg = plug ? plug : g_plugin;
-  attnrt_problem p = problem_of(ATTNRT_OP_SPARSE_DECODE, B, S, P.ps);
-  attnrt_layout L = layout_of(B, P);
+  DeviceBatch D(B, P, S, ATTNRT_OP_SPARSE_DECODE);
   SparseDecodeOut r;
-  r.topk.resize(static_cast<size_t>(B.hidx) * B.T * S.K);
-  r.att.o.resize(static_cast<size_t>(B.T) * B.hq * B.d);
-  r.att.lse.resize(static_cast<size_t>(B.T) * B.hq);
-  EXPECT_EQ(pg->probe(&p), ATTNRT_OK) << pg->last_error();
-  attnrt_plan plan = nullptr;
-  EXPECT_EQ(pg->plan(&p, &L, &plan), ATTNRT_OK) << pg->last_error();
-  if (!plan) return r;
-  const std::vector<uint16_t> ikp = to_pool(B, P, B.ik, 1, B.didx),
-                              kp = to_pool(B, P, B.k, B.hkv, B.d),
-                              vp = to_pool(B, P, B.v, B.hkv, B.d);
-  Dev diq(B.iq.size() * 2), dik(ikp.size() * 2), dq(B.q.size() * 2), dk(kp.size() * 2),
-      dv(vp.size() * 2), dt(r.topk.size() * 4), dout(r.att.o.size() * 2),
-      dlse(r.att.lse.size() * 4), dsink(B.sink.size() * 4);
-  diq.up(B.iq.data(), B.iq.size() * 2);
-  dik.up(ikp.data(), ikp.size() * 2);
-  dq.up(B.q.data(), B.q.size() * 2);
-  dk.up(kp.data(), kp.size() * 2);
-  dv.up(vp.data(), vp.size() * 2);
-  dsink.up(B.sink.data(), B.sink.size() * 4);
-  attnrt_tensors ts{};
-  ts.index_q = tensor(diq.p, B.dtype, 3, {B.T, B.hidx, B.didx});
-  ts.index_k_cache = tensor(dik.p, B.dtype, 4, {P.num_pages, P.ps, 1, B.didx});
-  ts.topk = tensor(dt.p, ATTNRT_I32, 3, {B.hidx, B.T, S.K});
-  ts.q = tensor(dq.p, B.dtype, 3, {B.T, B.hq, B.d});
-  ts.k_cache = tensor(dk.p, B.dtype, 4, {P.num_pages, P.ps, B.hkv, B.d});
-  ts.v_cache = tensor(dv.p, B.dtype, 4, {P.num_pages, P.ps, B.hkv, B.d});
-  ts.out = tensor(dout.p, B.dtype, 3, {B.T, B.hq, B.d});
-  if (S.lse) ts.lse = tensor(dlse.p, ATTNRT_F32, 2, {B.T, B.hq});
-  if (S.sink) ts.sink = tensor(dsink.p, ATTNRT_F32, 1, {B.hq});
-  SparseDecodeOut first;
-  for (int rep = 0; rep < 2; ++rep) {
-    std::vector<int32_t> tp(r.topk.size(), -7);
-    std::vector<uint16_t> op(r.att.o.size(), 0x7fc1);
-    std::vector<float> lp(r.att.lse.size(), std::numeric_limits<float>::quiet_NaN());
-    dt.up(tp.data(), tp.size() * 4);
-    dout.up(op.data(), op.size() * 2);
-    dlse.up(lp.data(), lp.size() * 4);
-    EXPECT_EQ(pg->run(plan, &ts, nullptr), ATTNRT_OK) << pg->last_error();
-    EXPECT_EQ(pg->synchronize({1, 0}), ATTNRT_OK) << pg->last_error();
-    dt.down(r.topk.data(), r.topk.size() * 4);
-    dout.down(r.att.o.data(), r.att.o.size() * 2);
-    dlse.down(r.att.lse.data(), r.att.lse.size() * 4);
-    if (rep == 0) first = r;
-  }
-  EXPECT_TRUE(first.topk == r.topk && first.att.o == r.att.o &&
-              std::memcmp(first.att.lse.data(), r.att.lse.data(), r.att.lse.size() * 4) == 0)
-      << "sparse_decode repeat not bit-identical";
-  if (ms && timed > 0) *ms = queued_ms(pg, plan, ts, timed);
-  pg->destroy_plan(plan);
+  r.topk.resize(D.topk_count());
+  r.att.o.resize(D.out_count());
+  r.att.lse.resize(D.lse_count());
+  run_twice(ATTNRT_OP_SPARSE_DECODE, D, nullptr, ms, timed, plug, &r.topk, &r.att);
   return r;
 }
 

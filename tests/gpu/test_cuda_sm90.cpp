@@ -355,7 +355,7 @@ TEST(CudaSm90, RunRefusesNonContiguousPages) {
 
 // The indexer and sparse attend of a decode step (two calls, or one sparse_decode) captured once
 // in a CUDA graph, replayed after update_plan with new lengths (new blocks appear) and twice per
-// step: the completion counters reset themselves, so every replay selects and attends afresh.
+// step over poisoned outputs: every replay selects and attends afresh.
 // fused: the step as one sparse_decode call.
 void check_graph_replays(bool fused) {
   const SparseParams S = m3_params(1, 1);
@@ -378,35 +378,11 @@ void check_graph_replays(bool fused) {
   if (!fused) {
     ASSERT_EQ(g_plugin->plan(&pa, &L, &plan_a), ATTNRT_OK) << g_plugin->last_error();
   }
-  const std::vector<uint16_t> ikp = to_pool(Bmax, Pmax, Bmax.ik, 1, 128);
-  const std::vector<uint16_t> kp = to_pool(Bmax, Pmax, Bmax.k, 1, 128),
-                              vp = to_pool(Bmax, Pmax, Bmax.v, 1, 128);
-  const size_t n_topk = static_cast<size_t>(B.T) * S.K, n_out = B.q.size();
-  Dev diq(B.iq.size() * 2), dik(ikp.size() * 2), dt(n_topk * 4), dq(B.q.size() * 2),
-      dk(kp.size() * 2), dv(vp.size() * 2), dout(n_out * 2), dlse(B.T * 16 * 4),
-      dsink(B.sink.size() * 4);
-  diq.up(B.iq.data(), B.iq.size() * 2);
-  dik.up(ikp.data(), ikp.size() * 2);
-  dq.up(B.q.data(), B.q.size() * 2);
-  dk.up(kp.data(), kp.size() * 2);
-  dv.up(vp.data(), vp.size() * 2);
-  dsink.up(B.sink.data(), B.sink.size() * 4);
-  attnrt_tensors ti{};
-  ti.index_q = tensor(diq.p, B.dtype, 3, {B.T, 1, 128});
-  ti.index_k_cache = tensor(dik.p, B.dtype, 4, {Pmax.num_pages, 128, 1, 128});
-  ti.topk = tensor(dt.p, ATTNRT_I32, 3, {1, B.T, S.K});
-  attnrt_tensors ta{};
-  ta.q = tensor(dq.p, B.dtype, 3, {B.T, 16, 128});
-  ta.k_cache = tensor(dk.p, B.dtype, 4, {Pmax.num_pages, 128, 1, 128});
-  ta.v_cache = tensor(dv.p, B.dtype, 4, {Pmax.num_pages, 128, 1, 128});
-  ta.out = tensor(dout.p, B.dtype, 3, {B.T, 16, 128});
-  ta.lse = tensor(dlse.p, ATTNRT_F32, 2, {B.T, 16});
-  ta.sink = tensor(dsink.p, ATTNRT_F32, 1, {16});
-  ta.topk = ti.topk;
-  if (fused) {
-    ta.index_q = ti.index_q;
-    ta.index_k_cache = ti.index_k_cache;
-  }
+  // Every step's rows and pages are in the longest one's.
+  DeviceBatch D(Bmax, Pmax, Sa, ATTNRT_OP_SPARSE_DECODE);
+  const attnrt_tensors ti = D.tensors(ATTNRT_OP_SPARSE_INDEX_DECODE),
+                       ta = D.tensors(fused ? ATTNRT_OP_SPARSE_DECODE
+                                            : ATTNRT_OP_SPARSE_ATTEND_DECODE);
   cudaStream_t st;
   ASSERT_EQ(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), cudaSuccess);
   cudaGraph_t graph;
@@ -428,21 +404,14 @@ void check_graph_replays(bool fused) {
         ASSERT_EQ(g_plugin->update_plan(plan_a, &L), ATTNRT_OK) << g_plugin->last_error();
       }
     }
-    for (int rep = 0; rep < 2; ++rep) {  // a second replay of the same step: counters reset
-      std::vector<int32_t> poison(n_topk, -7), topk(n_topk);
-      std::vector<uint16_t> opoison(n_out, 0x7fc1);
-      dt.up(poison.data(), poison.size() * 4);
-      dout.up(opoison.data(), opoison.size() * 2);
+    for (int rep = 0; rep < 2; ++rep) {  // a second replay of the same step
+      D.poison();
       ASSERT_EQ(cudaGraphLaunch(exec, st), cudaSuccess);
       ASSERT_EQ(cudaStreamSynchronize(st), cudaSuccess);
-      dt.down(topk.data(), topk.size() * 4);
+      const std::vector<int32_t> topk = D.topk_host();
       int ties = 0;
       check_topk(B, S, topk, ref_scores(B, S), &ties);
-      AttendOut got;
-      got.o.resize(n_out);
-      got.lse.resize(static_cast<size_t>(B.T) * 16);
-      dout.down(got.o.data(), got.o.size() * 2);
-      dlse.down(got.lse.data(), got.lse.size() * 4);
+      const AttendOut got = D.att_host();
       std::vector<double> ro, rl;
       ref_attend(B, Sa, &topk, true, ro, rl);
       double worst = 0;
@@ -495,31 +464,12 @@ double graph_step_ms(const attnrt_plugin_v1* plug, const Batch& B, const SparseP
     EXPECT_EQ(plug->plan(&pa, &L, &plan_a), ATTNRT_OK) << plug->last_error();
     if (!plan_i || !plan_a) return NAN;
   }
-  const std::vector<uint16_t> ikp = to_pool(B, P, B.ik, 1, 128), kp = to_pool(B, P, B.k, 1, 128),
-                              vp = to_pool(B, P, B.v, 1, 128);
-  Dev diq(B.iq.size() * 2), dik(ikp.size() * 2), dq(B.q.size() * 2), dk(kp.size() * 2),
-      dv(vp.size() * 2), dt(static_cast<size_t>(B.T) * S.K * 4), dout(B.q.size() * 2),
-      dlse(static_cast<size_t>(B.T) * 16 * 4), flush(256u << 20);
-  diq.up(B.iq.data(), B.iq.size() * 2);
-  dik.up(ikp.data(), ikp.size() * 2);
-  dq.up(B.q.data(), B.q.size() * 2);
-  dk.up(kp.data(), kp.size() * 2);
-  dv.up(vp.data(), vp.size() * 2);
-  attnrt_tensors ti{}, ta{};
-  ti.index_q = tensor(diq.p, B.dtype, 3, {B.T, 1, 128});
-  ti.index_k_cache = tensor(dik.p, B.dtype, 4, {P.num_pages, 128, 1, 128});
-  ti.topk = tensor(dt.p, ATTNRT_I32, 3, {1, B.T, S.K});
-  ta.q = tensor(dq.p, B.dtype, 3, {B.T, 16, 128});
-  ta.k_cache = tensor(dk.p, B.dtype, 4, {P.num_pages, 128, 1, 128});
-  ta.v_cache = tensor(dv.p, B.dtype, 4, {P.num_pages, 128, 1, 128});
-  ta.out = tensor(dout.p, B.dtype, 3, {B.T, 16, 128});
-  if (S.lse) ta.lse = tensor(dlse.p, ATTNRT_F32, 2, {B.T, 16});
-  ta.topk = ti.topk;
-  if (ops == kGraphFused) {  // one call reads and writes both sets
-    ta.index_q = ti.index_q;
-    ta.index_k_cache = ti.index_k_cache;
-    ti = ta;
-  }
+  DeviceBatch D(B, P, S, ATTNRT_OP_SPARSE_DECODE);
+  Dev flush(256u << 20);
+  // kGraphFused: plan_i runs the one call that reads and writes both sets.
+  const attnrt_tensors ti = D.tensors(ops == kGraphFused ? ATTNRT_OP_SPARSE_DECODE
+                                                         : ATTNRT_OP_SPARSE_INDEX_DECODE),
+                       ta = D.tensors(ATTNRT_OP_SPARSE_ATTEND_DECODE);
   cudaStream_t st;
   cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking);
   cudaGraph_t graph;
@@ -528,7 +478,7 @@ double graph_step_ms(const attnrt_plugin_v1* plug, const Batch& B, const SparseP
     EXPECT_EQ(plug->run(plan_i, &ti, st), ATTNRT_OK) << plug->last_error();
   }
   cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal);
-  if (ops == kGraphFloor) cudaMemsetAsync(dt.p, 0, 4, st);
+  if (ops == kGraphFloor) cudaMemsetAsync(D.topk.p, 0, 4, st);
   const int32_t r1 = ops & (kGraphIndex | kGraphFused) ? plug->run(plan_i, &ti, st) : ATTNRT_OK;
   const int32_t r2 = ops & kGraphAttend ? plug->run(plan_a, &ta, st) : ATTNRT_OK;
   EXPECT_EQ(cudaStreamEndCapture(st, &graph), cudaSuccess);
@@ -628,7 +578,18 @@ TEST(CudaSm90, BenchM3) {
   const Shape shapes[] = {{"decode 1x64k", 1, 65536},   {"decode 1x128k", 1, 131072},
                           {"decode 16x64k", 16, 65536}, {"decode 64x64k", 64, 65536},
                           {"decode 64x128k", 64, 131072}};
+  // ATTNRT_GPU_BENCH_SHAPES: time only the shapes whose name contains one of its comma-separated
+  // parts (e.g. "1x64k,1x128k").
+  const char* only = std::getenv("ATTNRT_GPU_BENCH_SHAPES");
+  auto selected = [&](const char* name) {
+    if (!only) return true;
+    std::istringstream parts(only);
+    for (std::string part; std::getline(parts, part, ',');)
+      if (!part.empty() && std::string(name).find(part) != std::string::npos) return true;
+    return false;
+  };
   for (const Shape& s : shapes) {
+    if (!selected(s.name)) continue;
     // Tile a random 1024-token pattern over the context (host generation would take minutes).
     Batch B = make_batch(ATTNRT_BF16, 16, 1, 1, 128, 128, std::vector<int32_t>(s.n, 1),
                          std::vector<int32_t>(s.n, 1024), 1);

@@ -279,27 +279,10 @@ TEST(CudaSparse, DecodeGraphReplaysWithNewLengths) {
   attnrt_plan plan_i = nullptr, plan_a = nullptr;
   ASSERT_EQ(g_plugin->plan(&pi, &L, &plan_i), ATTNRT_OK) << g_plugin->last_error();
   ASSERT_EQ(g_plugin->plan(&pa, &L, &plan_a), ATTNRT_OK) << g_plugin->last_error();
-  const std::vector<uint16_t> ikp = to_pool(Bmax, Pmax, Bmax.ik, 1, Bmax.didx),
-                              kp = to_pool(Bmax, Pmax, Bmax.k, 1, Bmax.d),
-                              vp = to_pool(Bmax, Pmax, Bmax.v, 1, Bmax.d);
-  const size_t n_topk = static_cast<size_t>(B.hidx) * B.T * S.K, n_out = B.q.size();
-  Dev diq(B.iq.size() * 2), dik(ikp.size() * 2), dq(B.q.size() * 2), dk(kp.size() * 2),
-      dv(vp.size() * 2), dt(n_topk * 4), dout(n_out * 2), dlse(B.T * B.hq * 4);
-  diq.up(B.iq.data(), B.iq.size() * 2);
-  dik.up(ikp.data(), ikp.size() * 2);
-  dq.up(B.q.data(), B.q.size() * 2);
-  dk.up(kp.data(), kp.size() * 2);
-  dv.up(vp.data(), vp.size() * 2);
-  attnrt_tensors ti{}, ta{};
-  ti.index_q = tensor(diq.p, B.dtype, 3, {B.T, B.hidx, B.didx});
-  ti.index_k_cache = tensor(dik.p, B.dtype, 4, {Pmax.num_pages, Pmax.ps, 1, B.didx});
-  ti.topk = tensor(dt.p, ATTNRT_I32, 3, {B.hidx, B.T, S.K});
-  ta.q = tensor(dq.p, B.dtype, 3, {B.T, B.hq, B.d});
-  ta.k_cache = tensor(dk.p, B.dtype, 4, {Pmax.num_pages, Pmax.ps, 1, B.d});
-  ta.v_cache = tensor(dv.p, B.dtype, 4, {Pmax.num_pages, Pmax.ps, 1, B.d});
-  ta.out = tensor(dout.p, B.dtype, 3, {B.T, B.hq, B.d});
-  ta.lse = tensor(dlse.p, ATTNRT_F32, 2, {B.T, B.hq});
-  ta.topk = ti.topk;
+  // Every step's rows and pages are in the longest one's.
+  DeviceBatch D(Bmax, Pmax, S, ATTNRT_OP_SPARSE_DECODE);
+  const attnrt_tensors ti = D.tensors(ATTNRT_OP_SPARSE_INDEX_DECODE),
+                       ta = D.tensors(ATTNRT_OP_SPARSE_ATTEND_DECODE);
   cudaStream_t st;
   ASSERT_EQ(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), cudaSuccess);
   cudaGraph_t graph;
@@ -319,21 +302,13 @@ TEST(CudaSparse, DecodeGraphReplaysWithNewLengths) {
       ASSERT_EQ(g_plugin->update_plan(plan_i, &L), ATTNRT_OK) << g_plugin->last_error();
       ASSERT_EQ(g_plugin->update_plan(plan_a, &L), ATTNRT_OK) << g_plugin->last_error();
     }
-    std::vector<int32_t> tpoison(n_topk, -7);
-    std::vector<uint16_t> opoison(n_out, 0x7fc1);
-    dt.up(tpoison.data(), tpoison.size() * 4);
-    dout.up(opoison.data(), opoison.size() * 2);
+    D.poison();
     ASSERT_EQ(cudaGraphLaunch(exec, st), cudaSuccess);
     ASSERT_EQ(cudaStreamSynchronize(st), cudaSuccess);
-    std::vector<int32_t> topk(n_topk);
-    dt.down(topk.data(), topk.size() * 4);
+    const std::vector<int32_t> topk = D.topk_host();
     int ties = 0;
     check_topk(B, S, topk, ref_scores(B, S), &ties);
-    AttendOut got;
-    got.o.resize(n_out);
-    got.lse.resize(static_cast<size_t>(B.T) * B.hq);
-    dout.down(got.o.data(), got.o.size() * 2);
-    dlse.down(got.lse.data(), got.lse.size() * 4);
+    const AttendOut got = D.att_host();
     std::vector<double> ro, rl;
     ref_attend(B, S, &topk, true, ro, rl);
     double worst = 0;
