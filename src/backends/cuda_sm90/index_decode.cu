@@ -16,7 +16,7 @@
 // the top 16 attends them (decode_block_attend.cuh) as soon as the selection is known, with their
 // page ids in hand, and writes one partial (normalised o, log2 lse) to the slot of its lowest
 // rank. The CTAs that hold slots then wait for the request's other CTAs and split the merge of
-// the 16 heads between them; rank 0's holder sorts topk, the last holder resets the counters.
+// the 16 heads between them; rank 0's holder sorts topk.
 // This removes, against the two launches, the attend's wait for the whole indexer grid to drain,
 // its second read of the selections and page ids, and a merge by one CTA.
 #include <cuda_bf16.h>
