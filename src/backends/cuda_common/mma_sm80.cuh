@@ -52,6 +52,9 @@ struct Mma<__nv_bfloat16> {
   static __device__ __forceinline__ float2 unpack(uint32_t x) {
     return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&x));
   }
+  static __device__ __forceinline__ __nv_bfloat16 from_float(float x) {
+    return __float2bfloat16_rn(x);
+  }
 };
 template <>
 struct Mma<__half> {
@@ -70,6 +73,7 @@ struct Mma<__half> {
   static __device__ __forceinline__ float2 unpack(uint32_t x) {
     return __half22float2(*reinterpret_cast<const __half2*>(&x));
   }
+  static __device__ __forceinline__ __half from_float(float x) { return __float2half_rn(x); }
 };
 
 // Element offset of (row r, column k) in a [rows][D] tile whose 16-byte chunks are XOR-swizzled

@@ -43,8 +43,8 @@ namespace attnrt_cuda_sm90 {
 // Profiling builds only (cuda_common/phase_trace.cuh): where each CTA is when.
 ATTNRT_PHASE_TABLE(sm90_index_decode, "start,first page,scored,barrier passed,ranked,sorted")
 ATTNRT_PHASE_TABLE(sm90_sparse_decode,
-                   "start,first page,scored,barrier passed,ranked,kv landed,computed,attended,all attended,"
-                   "merged")
+                   "start,first page,scored,barrier passed,ranked,kv landed,computed,attended,"
+                   "all attended,merged")
 
 namespace {
 
@@ -65,18 +65,7 @@ using attnrt_cuda_common::bar_init_fence;
 using attnrt_cuda_common::bar_wait;
 using attnrt_cuda_common::bulk_load;
 using attnrt_cuda_common::grid_launch_dependents;
-
-__device__ __forceinline__ float2 to_float2(uint32_t x, __nv_bfloat16) {
-  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&x));
-}
-__device__ __forceinline__ float2 to_float2(uint32_t x, __half) {
-  return __half22float2(*reinterpret_cast<const __half2*>(&x));
-}
-
-__device__ __forceinline__ __nv_bfloat16 from_float(float x, __nv_bfloat16) {
-  return __float2bfloat16_rn(x);
-}
-__device__ __forceinline__ __half from_float(float x, __half) { return __float2half_rn(x); }
+using attnrt_cuda_common::Mma;
 
 // The request's counters (index_decode.h): 64-bit, so they only ever grow.
 __device__ __forceinline__ void red_release_add(uint64_t* p, uint64_t v) {
@@ -98,7 +87,7 @@ __device__ __forceinline__ float dot8(uint4 v, const float* q) {
   float acc = 0.f;
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    const float2 f = to_float2(w[i], T{});
+    const float2 f = Mma<T>::unpack(w[i]);
     acc = fmaf(f.x, q[2 * i], acc);
     acc = fmaf(f.y, q[2 * i + 1], acc);
   }
@@ -231,11 +220,26 @@ __device__ __forceinline__ void merge_heads(const SparseDecodeArgs& a, int b, in
       if (a.att.sink != nullptr) cf = fold_sink(M, L, a.att.sink[h[u]]);
       const float o = L > 0.f ? acc * cf / L : 0.f;
       T* dst = static_cast<T*>(a.att.out) + static_cast<int64_t>(b) * a.att.o_s0 + h[u] * a.att.o_s1;
-      dst[tid] = from_float(o, T{});
+      dst[tid] = Mma<T>::from_float(o);
       if (tid == 0 && a.att.lse != nullptr)
         a.att.lse[static_cast<int64_t>(b) * a.att.lse_s0 + h[u]] = natural_lse(M, L);
     }
   }
+}
+
+// A request's topk, slot k holding the block of rank k (k < keff), put in ascending id order by
+// one warp: slot_id() loads lane's id (INT_MAX past keff), put_in_id_order() writes it where it
+// belongs, at how many selected ids are smaller.
+__device__ __forceinline__ int slot_id(const int32_t* out, int64_t t_s2, int keff, int lane) {
+  return lane < keff ? __ldcg(out + lane * t_s2) : INT_MAX;
+}
+__device__ __forceinline__ void put_in_id_order(int32_t* out, int64_t t_s2, int keff, int lane,
+                                                int id) {
+  int at = 0;
+#pragma unroll
+  for (int k = 0; k < kTopK; ++k) at += __shfl_sync(0xffffffffu, id, k) < id;
+  __syncwarp();
+  if (lane < keff) out[at * t_s2] = id;
 }
 
 // Phase stamps of whichever kernel this is (profiling builds only).
@@ -312,7 +316,7 @@ __global__ void __launch_bounds__(kThreads, kFused ? 3 : 1) index_decode_kernel(
     const uint32_t w[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
-      const float2 f = to_float2(w[i], T{});
+      const float2 f = Mma<T>::unpack(w[i]);
       q[2 * i] = f.x;
       q[2 * i + 1] = f.y;
     }
@@ -440,18 +444,11 @@ __global__ void __launch_bounds__(kThreads, kFused ? 3 : 1) index_decode_kernel(
       while (ld_acquire(&sync[1]) < target) __nanosleep(20);
     __syncthreads();
     INDEX_PHASE(8);
-    // Rank 0's holder puts topk in id order: slot k holds the block of rank k; its place in id
-    // order is how many selected ids are smaller. The ids load along with the merge's loads.
+    // Rank 0's holder puts topk in id order; its ids load along with the merge's loads.
     const bool sorter = s_sel_rank[0] == 0 && warp == 0;
-    const int id = sorter && lane < keff ? __ldcg(out + lane * a.t_s2) : INT_MAX;
+    const int id = sorter ? slot_id(out, a.t_s2, keff, lane) : INT_MAX;
     merge_heads<T>(a, b, keff, s_sel_rank, nsel, s_heads, s_nheads);
-    if (sorter) {
-      int at = 0;
-#pragma unroll
-      for (int k = 0; k < kTopK; ++k) at += __shfl_sync(0xffffffffu, id, k) < id;
-      __syncwarp();
-      if (lane < keff) out[at * a.t_s2] = id;
-    }
+    if (sorter) put_in_id_order(out, a.t_s2, keff, lane, id);
     INDEX_PHASE(9);
   } else {
     if (tid == 0) {
@@ -461,14 +458,7 @@ __global__ void __launch_bounds__(kThreads, kFused ? 3 : 1) index_decode_kernel(
     __syncthreads();
     if (!s_last || warp != 0) return;
     __threadfence();
-    // Slot k holds the block of rank k; its place in id order is how many selected ids are
-    // smaller.
-    const int id = lane < keff ? __ldcg(out + lane * a.t_s2) : INT_MAX;
-    int at = 0;
-#pragma unroll
-    for (int k = 0; k < kTopK; ++k) at += __shfl_sync(0xffffffffu, id, k) < id;
-    __syncwarp();
-    if (lane < keff) out[at * a.t_s2] = id;
+    put_in_id_order(out, a.t_s2, keff, lane, slot_id(out, a.t_s2, keff, lane));
     INDEX_PHASE(5);
   }
 }

@@ -29,9 +29,9 @@ struct IndexArgsBase {
   float scale;             // index_scale
 };
 
-// Decode: T = n, scores [n, block_capacity].
-constexpr int kSyncWords = 4;  // counters of a request: arrivals, CTAs done, launches, spare
+constexpr int kSyncWords = 3;  // counters of a request: arrivals, CTAs done, launches
 
+// Decode: T = n, scores [n, block_capacity].
 struct IndexDecodeArgs : IndexArgsBase {
   uint64_t* sync;          // [n][kSyncWords] counters, zero before the plan's first launch
   int n, block_capacity, blocks_per_cta, ctas_per_request;
