@@ -6,6 +6,7 @@
 
 #include <cuda_runtime.h>
 
+#include "attnrt/problem.h"
 #include "plugin_harness.h"
 
 #include <algorithm>
@@ -397,13 +398,15 @@ struct DeviceBatch {
     }
     sink.up(B.sink.data(), B.sink.size() * 4);
   }
-  static bool index(int op) {
-    return op == ATTNRT_OP_SPARSE_INDEX_EXTEND || op == ATTNRT_OP_SPARSE_INDEX_DECODE ||
-           op == ATTNRT_OP_SPARSE_DECODE;
-  }
+  // The op families of attnrt/problem.h (ATTNRT_OP_* and attnrt::Op share their numbers).
+  static_assert(static_cast<int>(attnrt::Op::dense_extend) == ATTNRT_OP_DENSE_EXTEND &&
+                static_cast<int>(attnrt::Op::sparse_decode) == ATTNRT_OP_SPARSE_DECODE &&
+                attnrt::kNumOps == ATTNRT_OP_SPARSE_DECODE + 1);
+  static bool index(int op) { return attnrt::reads_index_inputs(static_cast<attnrt::Op>(op)); }
   static bool attention(int op) {
-    return op != ATTNRT_OP_SPARSE_INDEX_EXTEND && op != ATTNRT_OP_SPARSE_INDEX_DECODE;
+    return attnrt::reads_attention_inputs(static_cast<attnrt::Op>(op));
   }
+  static bool dense(int op) { return attnrt::is_dense(static_cast<attnrt::Op>(op)); }
   size_t pool_bytes(int h, int d) const {
     return static_cast<size_t>(P.num_pages) * P.ps * h * d * 2;
   }
@@ -415,13 +418,12 @@ struct DeviceBatch {
   size_t out_count() const { return static_cast<size_t>(B.T) * B.hq * B.d; }
   size_t lse_count() const { return static_cast<size_t>(B.T) * B.hq; }
   attnrt_tensors tensors(int op) const {
-    const bool sparse = op != ATTNRT_OP_DENSE_EXTEND && op != ATTNRT_OP_DENSE_DECODE;
     attnrt_tensors ts{};
     if (index(op)) {
       ts.index_q = tensor(iq.p, B.dtype, 3, {B.T, B.hidx, B.didx});
       ts.index_k_cache = tensor(ik.p, B.dtype, 4, {P.num_pages, P.ps, 1, B.didx});
     }
-    if (sparse) ts.topk = tensor(topk.p, ATTNRT_I32, 3, {B.hidx, B.T, S.K});
+    if (!dense(op)) ts.topk = tensor(topk.p, ATTNRT_I32, 3, {B.hidx, B.T, S.K});
     if (attention(op)) {
       ts.q = tensor(q.p, B.dtype, 3, {B.T, B.hq, B.d});
       ts.k_cache = tensor(k.p, B.dtype, 4, {P.num_pages, P.ps, B.hkv, B.d});
@@ -522,8 +524,7 @@ AttendOut run_attend(int op, const Batch& B, const SparseParams& S, const Paging
   AttendOut r;
   r.o.resize(D.out_count());
   r.lse.resize(D.lse_count());
-  const bool dense = op == ATTNRT_OP_DENSE_EXTEND || op == ATTNRT_OP_DENSE_DECODE;
-  run_twice(op, D, dense ? nullptr : topk, ms, timed, plug, nullptr, &r);
+  run_twice(op, D, DeviceBatch::dense(op) ? nullptr : topk, ms, timed, plug, nullptr, &r);
   return r;
 }
 
