@@ -6,8 +6,12 @@ d=128, bf16; causal prefill 4k x 4, 16k, 64k; decode 1 x 128k, 32 x 8k, 64 x 32k
 measured ceilings (large device copy, bf16 GEMM). attnrt runs through its paged cache (pages of
 64 scattered, 128, and one page per request); torch runs contiguous tensors.
 
-Usage: cuda_side_by_side.py [path/to/attnrt]   (default build/bin/attnrt)
-Prints one table; the last column is attnrt's speed over the cuDNN backend's."""
+Usage: cuda_side_by_side.py [path/to/attnrt] [--m3]   (default build/bin/attnrt)
+Prints one table; the last column is attnrt's speed over the cuDNN backend's.
+--m3: instead, dense decode at the MiniMax-M3 per-rank shape (Hq=16, Hkv=1, d=128, bf16) through
+torch's cuDNN and flash backends, timed as attnrt_gpu_sm90_tests' BenchM3 times sparse decode (one
+call captured in a CUDA graph, replayed after a 256 MB memset that evicts L2, median of 20), so
+that the two compare on the same card in one device session."""
 import json
 import os
 import subprocess
@@ -47,8 +51,58 @@ def sdpa_ms(bsz, s, prefill, backend, hq=32, hkv=8, d=128):
                                                             enable_gqa=True), 10 if prefill else 20)
 
 
+def cold_graph_ms(fn, reps=20):
+    """Median ms of fn captured in a CUDA graph, each replay after an L2-evicting memset."""
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the capture stream, as torch asks
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    ts = []
+    for _ in range(reps):
+        flush.zero_()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record(); g.replay(); b.record(); b.synchronize()
+        ts.append(a.elapsed_time(b))
+    ts.sort()
+    return ts[len(ts) // 2]
+
+
+def m3_dense_decode():
+    """Dense decode peers at the shapes of BenchM3 (sparse decode, M3 per rank)."""
+    print("device:", torch.cuda.get_device_name(), "torch", torch.__version__)
+    print(f"{'M3 dense decode':24s} {'cudnn ms':>9s} {'flash ms':>9s}  (Hq=16 Hkv=1 d=128 bf16, "
+          "CUDA graph, cold L2, median of 20)")
+    dev = torch.device("cuda")
+    for bsz, ctx in ((1, 65536), (1, 131072), (16, 65536), (64, 65536), (64, 131072)):
+        q = torch.randn(bsz, 16, 1, 128, device=dev, dtype=torch.bfloat16)
+        k = torch.randn(bsz, 1, ctx, 128, device=dev, dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        row = {}
+        for name, be in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
+            try:
+                with sdpa_kernel(be):
+                    row[name] = cold_graph_ms(
+                        lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
+            except Exception as e:  # report, do not hide
+                print(f"SDPA {name} failed at {bsz}x{ctx}: {str(e)[:100]}")
+        del q, k, v
+        torch.cuda.empty_cache()
+        print(f"{f'{bsz} x {ctx // 1024}k':24s} {row.get('cudnn', float('nan')):9.4f} "
+              f"{row.get('flash', float('nan')):9.4f}")
+    sys.stdout.flush()
+
+
 def main():
-    exe = sys.argv[1] if len(sys.argv) > 1 else "build/bin/attnrt"
+    args = [x for x in sys.argv[1:] if not x.startswith("--")]
+    if "--m3" in sys.argv[1:]:
+        return m3_dense_decode()
+    exe = args[0] if args else "build/bin/attnrt"
     print("device:", torch.cuda.get_device_name(), "torch", torch.__version__)
     res = attnrt_cases(exe)
     dev = torch.device("cuda")

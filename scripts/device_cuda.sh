@@ -5,14 +5,16 @@
 # attnrt_gpu_sparse_tests,attnrt_gpu_sm90_tests} and build/lib/{libattnrt.so.0.1.0,
 # libattnrt_cuda.so,libattnrt_cuda_sm90.so}.
 # Usage: scripts/device_cuda.sh [build-dir] [steps...]
-#   steps: tests sparse sm90 memcheck bench run torch m3   (default: all but m3)
+#   steps: tests sparse sm90 memcheck bench run torch m3dense m3   (default: all but m3)
+#   m3dense: dense decode through torch (cuDNN, flash) at the shapes of the sm90 BenchM3, timed
+#       the same way (graph, cold L2), so sparse and dense decode compare on the same card.
 #   m3: `attnrt run --device cuda:0 --check` on minimax-m3-tp4 with a 64k prompt (the last 4
 #       query tokens of the prompt checked per layer; minutes of host reference), then shorter
 #       runs with the cuda_sm90 fast path off (ATTNRT_DISABLE, and a page size it does not take).
 set -uo pipefail
 B=${1:-build}
 shift || true
-STEPS=${*:-tests sparse sm90 memcheck bench run torch}
+STEPS=${*:-tests sparse sm90 memcheck bench run torch m3dense}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 ln -sf libattnrt.so.0.1.0 "$B/lib/libattnrt.so.0"
@@ -57,6 +59,10 @@ fi
 if has torch; then
   PYTHONUNBUFFERED=1 timeout 300 python3 bench/cuda_side_by_side.py "$B/bin/attnrt" 2>&1 |
     tee "$OUT/side_by_side.log"
+fi
+if has m3dense; then
+  PYTHONUNBUFFERED=1 timeout 200 python3 bench/cuda_side_by_side.py --m3 2>&1 |
+    tee "$OUT/m3_dense_decode.log"
 fi
 if has m3; then
   export ATTNRT_PLUGIN_PATH="$B/lib"
