@@ -21,6 +21,7 @@
 #include <cstdint>
 
 #include "cuda_common/kernel_attr.h"
+#include "cuda_common/mma_sm80.cuh"
 #include "cuda_common/softmax_state.cuh"
 #include "sparse_kernels.h"
 
@@ -31,20 +32,12 @@ using namespace nvcuda;
 using attnrt_cuda_common::fold_sink;
 using attnrt_cuda_common::log2_lse;
 using attnrt_cuda_common::natural_lse;
+using attnrt_cuda_common::Mma;
 
 constexpr int kThreads = 128;
 constexpr int kChunk = 64;
 constexpr int kRows = 16;   // query heads per CTA
 constexpr int kMaxEntries = 1024;  // R*K limit (probe)
-
-template <typename T>
-__device__ __forceinline__ T from_f(float v);
-template <>
-__device__ __forceinline__ __half from_f<__half>(float v) { return __float2half_rn(v); }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) {
-  return __float2bfloat16_rn(v);
-}
 
 template <int D>
 struct Smem {
@@ -199,7 +192,7 @@ __global__ void __launch_bounds__(kThreads) attend_kernel(AttendArgs a) {
         for (int i = 0; i < 8; ++i) {
           const float p = exp2f(s[i] - mn);
           sum += p;
-          ps[myrow * L::LDP + part * 8 + i] = from_f<T>(p);
+          ps[myrow * L::LDP + part * 8 + i] = Mma<T>::from_float(p);
         }
 #pragma unroll
         for (int o = 4; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
@@ -240,7 +233,7 @@ __global__ void __launch_bounds__(kThreads) attend_kernel(AttendArgs a) {
     const float inv = ll > 0.f ? scale / ll : 0.f;
     T* out = static_cast<T*>(a.out) + row * a.o_s0 + h * a.o_s1 + part * OD;
 #pragma unroll
-    for (int i = 0; i < OD; ++i) out[i] = from_f<T>(orow[i] * inv);
+    for (int i = 0; i < OD; ++i) out[i] = Mma<T>::from_float(orow[i] * inv);
     if (a.lse != nullptr && part == 0)
       a.lse[row * a.lse_s0 + h] = natural_lse(mm, ll);
   } else {
@@ -285,7 +278,7 @@ __global__ void __launch_bounds__(kThreads) merge_kernel(AttendArgs a) {
   const float inv = l > 0.f ? 1.f / l : 0.f;
   T* out = static_cast<T*>(a.out) + row * a.o_s0 + h * a.o_s1;
 #pragma unroll
-  for (int i = 0; i < NV; ++i) out[lane + 32 * i] = from_f<T>(acc[i] * inv);
+  for (int i = 0; i < NV; ++i) out[lane + 32 * i] = Mma<T>::from_float(acc[i] * inv);
   if (a.lse != nullptr && lane == 0)
     a.lse[row * a.lse_s0 + h] = natural_lse(m, l);
 }
