@@ -22,12 +22,16 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 
-def bench(fn, reps=20):
+def bench(fn, reps=20, before=None):
+    """Median ms of fn over reps timed calls after 3 untimed ones; before(), if given, runs
+    untimed ahead of each timed call."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
     ts = []
     for _ in range(reps):
+        if before is not None:
+            before()
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record(); fn(); b.record(); b.synchronize()
         ts.append(a.elapsed_time(b))
@@ -63,14 +67,7 @@ def cold_graph_ms(fn, reps=20):
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         fn()
-    ts = []
-    for _ in range(reps):
-        flush.zero_()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record(); g.replay(); b.record(); b.synchronize()
-        ts.append(a.elapsed_time(b))
-    ts.sort()
-    return ts[len(ts) // 2]
+    return bench(g.replay, reps, before=flush.zero_)
 
 
 def m3_dense_decode():
