@@ -276,10 +276,6 @@ __global__ void __launch_bounds__(kThreads, kFused ? 3 : 1) index_decode_kernel(
   // reaches (thread 0 holds it) follows from the launches before it; no reset at the end.
   uint64_t* sync = a.sync + kSyncWords * b;
   uint64_t target = 0;
-  if (tid == 0) {
-    const uint64_t ctas = static_cast<uint64_t>(a.ctas_per_request);
-    target = (atom_add(&sync[2], 1) / ctas + 1) * ctas;
-  }
   const T* kc = static_cast<const T*>(a.kc);
   T* sQ = reinterpret_cast<T*>(stages + kStages * kPageBytes);  // fused: the attention's q
   if constexpr (kFused) {
@@ -300,6 +296,9 @@ __global__ void __launch_bounds__(kThreads, kFused ? 3 : 1) index_decode_kernel(
     for (int s = 0; s < kStages; ++s) first[s] = c0 + s < c1 ? pages[c0 + s] : 0;
     if (c0 + kStages < c1) next_page = pages[c0 + kStages];
     for (int s = 0; s < kStages && c0 + s < c1; ++s) issue(s, first[s]);
+    // The launch count is needed at the barrier only: its round trip goes after the copies.
+    const uint64_t ctas = static_cast<uint64_t>(a.ctas_per_request);
+    target = (atom_add(&sync[2], 1) / ctas + 1) * ctas;
   }
   __syncthreads();
   if constexpr (kFused)  // after the first index pages: those are on the critical path
