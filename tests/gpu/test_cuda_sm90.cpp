@@ -589,7 +589,9 @@ TEST(CudaSm90, BenchM3) {
     return false;
   };
   const bool recent = std::getenv("ATTNRT_GPU_BENCH_RECENT") != nullptr;
+  const bool windows = std::getenv("ATTNRT_GPU_BENCH_WINDOWS") != nullptr;
   if (recent) std::printf("BENCH sm90 selections: the 16 most recent blocks of every request\n");
+  if (windows) std::printf("BENCH sm90 index keys: a random window of the pattern per block\n");
   for (const Shape& s : shapes) {
     if (!selected(s.name)) continue;
     // Tile a random 1024-token pattern over the context (host generation would take minutes).
@@ -604,6 +606,21 @@ TEST(CudaSm90, BenchM3) {
       x->resize(toks * row);
       for (size_t i = pat.size(); i < x->size(); i += pat.size())
         std::copy(pat.begin(), pat.begin() + std::min(pat.size(), x->size() - i), x->begin() + i);
+    }
+    // ATTNRT_GPU_BENCH_WINDOWS=1: each block's index keys are a random 128-token window of the
+    // pattern, so the blocks' scores have no period (with the plain tile, blocks alike mod 8 win
+    // together, which favours some splits of the blocks over CTAs).
+    if (windows) {
+      std::mt19937 wrng(7);
+      std::uniform_int_distribution<int> start(0, 1024 - 128);
+      const std::vector<uint16_t> pat(B.ik.begin(), B.ik.begin() + 1024 * row);
+      for (int b = 0; b < s.n; ++b)
+        for (int t0 = 0; t0 < s.kl; t0 += 128) {
+          const size_t len = static_cast<size_t>(std::min(128, s.kl - t0)) * row;
+          const auto from = pat.begin() + static_cast<size_t>(start(wrng)) * row;
+          const size_t at = (static_cast<size_t>(B.tok_off[b]) + t0) * row;
+          std::copy(from, from + len, B.ik.begin() + at);
+        }
     }
     // One index-key dim random per token, so block scores do not repeat with the tile: the
     // top-k then selects among distinct scores, as with real keys, not among 8 tied values.
