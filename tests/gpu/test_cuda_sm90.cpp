@@ -265,8 +265,9 @@ TEST(CudaSm90, IndexDecodeLargeBatch) {
 // sparse_decode, the indexer and attend in one launch: its top-k against the reference scores,
 // its output against the reference attention over the top-k it wrote. Cases cover every path of
 // the kernel: a context of at most 16 blocks (all taken, no barrier), one request, ragged batches
-// with several CTAs per request (a CTA may rank 0, 1 or several blocks into the top 16), a batch
-// past one wave of CTAs (one CTA per request attends all 16), sink and lse on and off, f16.
+// with several CTAs per request (a CTA attends one slot, or several when a request has fewer
+// than 16 CTAs; slot holders with no blocks of their own), a batch past one wave of CTAs (one CTA
+// per request attends all 16), sink and lse on and off, f16.
 TEST(CudaSm90, SparseDecodeMatchesReference) {
   REQUIRE_HOPPER();
   struct C {
@@ -310,6 +311,36 @@ TEST(CudaSm90, SparseDecodeMatchesReference) {
                 it, c.kv.size(), worst, ties);
     ++it;
   }
+}
+
+// sparse_decode on a strided pattern of near-winners: in the first request (2048 blocks) block
+// c's index keys are q_idx * s_c with s_c in [1 + g, 1.5 + g] for g = c % 128 < 16 and 0
+// otherwise, so the winners lie 128 blocks apart (ranked by CTAs far from the ones attending
+// them) and 240 more blocks score far above the rest; the second request has random keys.
+// Top-k and output against the reference.
+TEST(CudaSm90, SparseDecodeStridedNearWinners) {
+  REQUIRE_HOPPER();
+  Batch B = make_batch(ATTNRT_BF16, 16, 1, 1, 128, 128, {1, 1}, {262144, 5000}, 77, true, true);
+  std::mt19937 rng(78);
+  std::uniform_real_distribution<float> half(0.f, 0.5f);
+  const size_t row = 128;
+  for (int c = 0; c < 2048; ++c) {
+    const int g = c % 128;
+    const float sc = g < 16 ? 1.f + static_cast<float>(g) + half(rng) : 0.f;
+    for (int t = c * 128; t < (c + 1) * 128; ++t)
+      for (size_t x = 0; x < row; ++x) B.ik[t * row + x] = B.enc(sc * B.dec(B.iq[x]));
+  }
+  const SparseParams S = m3_params();
+  const Paging P = make_paging(B, 128, 41);
+  const SparseDecodeOut got = run_sparse_decode(B, S, P);
+  int ties = 0;
+  check_topk(B, S, got.topk, ref_scores(B, S), &ties);
+  std::vector<double> ro, rl;
+  ref_attend(B, S, &got.topk, true, ro, rl);
+  double worst = 0;
+  expect_close(B, S, got.att, ro, rl, &worst);
+  std::printf("sm90 sparse_decode, strided near-winners: max abs err %.2e, near-tie rows %d\n",
+              worst, ties);
 }
 
 TEST(CudaSm90, LongContextDecode) {

@@ -12,13 +12,15 @@
 // id order. Padding is -1. The request's counters only grow, so the next launch, or a captured
 // graph's replay, needs no reset.
 //
-// Fused with the attend (launch_sparse_decode, op sparse_decode): the CTA that ranks blocks into
-// the top 16 attends them (decode_block_attend.cuh) as soon as the selection is known, with their
-// page ids in hand, and writes one partial (normalised o, log2 lse) to the slot of its lowest
-// rank. The CTAs that hold slots then wait for the request's other CTAs and split the merge of
-// the 16 heads between them; rank 0's holder sorts topk.
-// This removes, against the two launches, the attend's wait for the whole indexer grid to drain,
-// its second read of the selections and page ids, and a merge by one CTA.
+// Fused with the attend (launch_sparse_decode, op sparse_decode): each CTA that ranks a block
+// into the top 16 also publishes it in the request's word of that rank, tagged with the launch;
+// CTA p attends ranks p, p + P, ... (decode_block_attend.cuh; its own blocks at once, the others
+// as soon as their words carry this launch's tag) and writes one partial (normalised o, log2
+// lse) to the slot of its first rank. So no CTA attends more than ceil(16 / P) blocks, however
+// the winners cluster. The slot holders then wait for the request's other CTAs and split the
+// merge of the 16 heads between them; CTA 0 sorts topk. This removes, against the two launches,
+// the attend's wait for the whole indexer grid to drain, its second read of the selections and
+// page ids, and a merge by one CTA.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -76,6 +78,9 @@ __device__ __forceinline__ uint64_t ld_acquire(const uint64_t* p) {
   asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
   return v;
 }
+__device__ __forceinline__ void st_relaxed(uint64_t* p, uint64_t v) {
+  asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
 __device__ __forceinline__ uint64_t atom_add(uint64_t* p, uint64_t v) {
   return atomicAdd(reinterpret_cast<unsigned long long*>(p), static_cast<unsigned long long>(v));
 }
@@ -94,36 +99,38 @@ __device__ __forceinline__ float dot8(uint4 v, const float* q) {
   return acc;
 }
 
-// Fused: attends every block this CTA ranked into the top 16 (s_mine, by rank) in one online
-// softmax, one block at a time through the stages, and writes the CTA's partial to the slot of
-// its lowest rank; its other slots get lse = -inf (no mass; their o is never read). The blocks
-// after the first are prefetched into L2 as soon as they are known, so that their copies into
-// shared memory overlap the first block's. Every thread calls it; q's copy into sQ was issued
-// at the kernel's start. Returns how many blocks the CTA attended; s_sel_rank holds their ranks.
+// Fused: CTA `part` of the request attends the selected blocks of ranks part, part + P, ...
+// (P = ctas_per_request), so that no CTA attends more than ceil(16 / P) blocks however the
+// winners cluster, in one online softmax, one block at a time through the stages, and writes its
+// partial to the slot of its first rank; its other slots get lse = -inf (no mass; their o is
+// never read). A rank's block is this CTA's own (s_mine), the rank itself when every block is
+// taken, or else read from the request's published word of that rank once its tag is this
+// launch's. The blocks after the first are prefetched into L2 as soon as they are known, so that
+// their copies into shared memory overlap the first block's. Every thread calls it, with
+// part < keff and q's copy into sQ issued. Returns how many slots the CTA holds (s_sel_rank).
 template <typename T>
-__device__ __forceinline__ int attend_selected(const SparseDecodeArgs& a, int b, int kv,
-                                               const int32_t* pages, unsigned char* stages,
-                                               const T* sQ, const int* s_mine, int* s_sel_block,
-                                               int* s_sel_rank, int& s_nsel,
-                                               PartialShared& s_part) {
+__device__ __forceinline__ int attend_selected(const SparseDecodeArgs& a, int b, int part,
+                                               int keff, bool all_taken, int kv,
+                                               const int32_t* pages, const uint64_t* published,
+                                               uint32_t tag, unsigned char* stages, const T* sQ,
+                                               const int* s_mine, int* s_sel_block,
+                                               int* s_sel_rank, PartialShared& s_part) {
   using namespace attnrt_cuda_common;
   const int tid = threadIdx.x;
-  if (tid < 32) {  // compact in rank order: the partials never depend on timing
-    const int c = tid < kTopK ? s_mine[tid] : -1;
-    const unsigned ballot = __ballot_sync(0xffffffffu, c >= 0);
-    if (c >= 0) {
-      const int at = __popc(ballot & ((1u << tid) - 1u));
-      s_sel_block[at] = c;
-      s_sel_rank[at] = tid;
+  const int stride = a.ctas_per_request;
+  const int nsel = (keff - part + stride - 1) / stride;
+  if (tid < nsel) {
+    const int r = part + tid * stride;
+    int c = all_taken ? r : s_mine[r];
+    if (c < 0) {
+      uint64_t w;
+      while (static_cast<uint32_t>((w = ld_acquire(published + r)) >> 32) != tag) __nanosleep(20);
+      c = static_cast<int>(static_cast<uint32_t>(w));
     }
-    if (tid == 0) s_nsel = __popc(ballot);
+    s_sel_rank[tid] = r;
+    s_sel_block[tid] = c;
   }
   __syncthreads();
-  const int nsel = s_nsel;
-  if (nsel == 0) {
-    cp_wait<0>();  // q's copy: none is left in flight
-    return 0;
-  }
   T* sK = reinterpret_cast<T*>(stages);
   T* sV = sK + kBlock * kHeadDim;
   const T* kc = static_cast<const T*>(a.att.kc);
@@ -255,8 +262,10 @@ __global__ void __launch_bounds__(kThreads, kFused ? 3 : 1) index_decode_kernel(
   __shared__ __align__(8) uint64_t bars[kStages];
   __shared__ float red[2][kThreads / 32];
   __shared__ int s_last;
-  // Fused: the CTA's selected blocks by rank (-1: another CTA's), then compacted.
-  __shared__ int s_mine[kTopK], s_sel_block[kTopK], s_sel_rank[kTopK], s_nsel;
+  // Fused: the blocks this CTA ranked, by rank (-1: another CTA's); the ranks it attends and
+  // their blocks.
+  __shared__ int s_mine[kTopK], s_sel_block[kTopK], s_sel_rank[kTopK];
+  __shared__ uint32_t s_tag;  // fused: this launch's tag of the published ranks
   __shared__ int s_heads[kHeads], s_nheads;  // fused: the heads this CTA merges
   __shared__ PartialShared s_part;
 
@@ -299,11 +308,14 @@ __global__ void __launch_bounds__(kThreads, kFused ? 3 : 1) index_decode_kernel(
     // The launch count is needed at the barrier only: its round trip goes after the copies.
     const uint64_t ctas = static_cast<uint64_t>(a.ctas_per_request);
     target = (atom_add(&sync[2], 1) / ctas + 1) * ctas;
+    if constexpr (kFused) s_tag = static_cast<uint32_t>(target);
   }
   __syncthreads();
-  if constexpr (kFused)  // after the first index pages: those are on the critical path
-    load_q(sQ, static_cast<const T*>(a.att.q) + static_cast<int64_t>(b) * a.att.q_s0,
-           a.att.q_s1);
+  if constexpr (kFused) {  // after the first index pages (the critical path); slot holders only
+    if (part < min(kTopK, nblk))
+      load_q(sQ, static_cast<const T*>(a.att.q) + static_cast<int64_t>(b) * a.att.q_s0,
+             a.att.q_s1);
+  }
 
   // This thread's 16 query dims: [8*sub, 8*sub+8) and [64+8*sub, 64+8*sub+8).
   const int sub = tid & 7;
@@ -417,25 +429,32 @@ __global__ void __launch_bounds__(kThreads, kFused ? 3 : 1) index_decode_kernel(
       }
       if (rank < keff && lane == 0) {
         out[rank * a.t_s2] = c;
-        if constexpr (kFused)
+        if constexpr (kFused) {
           s_mine[rank] = c;
-        else
+          // Published for the CTA that attends this rank, tagged with the launch.
+          st_relaxed(&sync[kRankWords + rank], (static_cast<uint64_t>(s_tag) << 32) | c);
+        } else {
           __threadfence();  // before this CTA counts itself done
+        }
       }
     }
   }  // nvis > kTopK
   __syncthreads();
   INDEX_PHASE(4);
   if constexpr (kFused) {
-    const int nsel = attend_selected<T>(a, b, kv, pages, stages, sQ, s_mine, s_sel_block,
-                                        s_sel_rank, s_nsel, s_part);
+    if (part >= keff) {  // holds no slot: q was not loaded; its published ranks are written
+      if (tid == 0) red_release_add(&sync[1], 1);
+      return;
+    }
+    const int nsel = attend_selected<T>(a, b, part, keff, nvis <= kTopK, kv, pages,
+                                        sync + kRankWords, s_tag, stages, sQ, s_mine,
+                                        s_sel_block, s_sel_rank, s_part);
     INDEX_PHASE(7);
     // Count this CTA done once its slots' lse and partial are written: the barrier orders every
     // thread's stores before thread 0's release (the pattern of a split-K semaphore); the slot
     // holders' acquire makes them visible to them.
     __syncthreads();
     if (tid == 0) red_release_add(&sync[1], 1);
-    if (nsel == 0) return;
     // A slot holder waits for every CTA of the request (co-resident: a cooperative launch, or
     // alone), then merges its share of the heads: the merge is spread over up to 16 CTAs
     // instead of 16 heads' loads in one.

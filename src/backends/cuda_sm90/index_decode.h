@@ -29,7 +29,10 @@ struct IndexArgsBase {
   float scale;             // index_scale
 };
 
-constexpr int kSyncWords = 3;  // counters of a request: arrivals, CTAs done, launches
+// A request's words: counters [arrivals, CTAs done, launches], then (sparse_decode) the block
+// of each rank < 16, published as (launch tag << 32) | block id.
+constexpr int kRankWords = 3;
+constexpr int kSyncWords = kRankWords + kTopK;
 
 // Decode: T = n, scores [n, block_capacity].
 struct IndexDecodeArgs : IndexArgsBase {
@@ -38,11 +41,11 @@ struct IndexDecodeArgs : IndexArgsBase {
 };
 
 // The whole sparse decode step (op sparse_decode): the indexer above, then the attention of the
-// 16 query heads (attend_decode.h's shape) over the selected blocks, in the same launch. A CTA
-// that ranks blocks into the top 16 attends them right away (their page ids are in hand) and
-// writes one partial (normalised o, log2 lse) to the slot of its lowest rank, lse = -inf to its
-// other slots; the slot holders merge the slots by lse into out and lse, a share of the heads
-// each, and sort topk.
+// 16 query heads (attend_decode.h's shape) over the selected blocks, in the same launch. CTA p of
+// a request (P a request) attends the blocks of ranks p, p + P, ... (published by the CTAs that
+// rank them) and writes one partial (normalised o, log2 lse) to the slot of its first rank,
+// lse = -inf to its others; these slot holders merge the slots by lse into out and lse, a share
+// of the heads each, and CTA 0 sorts topk.
 struct SparseDecodeArgs : IndexDecodeArgs {
   attnrt_cuda_common::AttendTensors att;  // q, caches, out, lse, sink of the attention
   float* part_o;    // [n][16 slots][16 heads][128]; a slot of lse -inf holds no o
