@@ -343,6 +343,38 @@ TEST(CudaSm90, SparseDecodeStridedNearWinners) {
               worst, ties);
 }
 
+// Winners that cluster: a CTA ranks several of the 16 (it keeps its best, the others go to the
+// CTAs of their ranks), or a CTA's rank is kept by its ranker. Three requests, so that each has
+// many CTAs: a run of 16 blocks, the first 16 blocks, every other block of a range.
+TEST(CudaSm90, SparseDecodeClusteredWinners) {
+  REQUIRE_HOPPER();
+  Batch B = make_batch(ATTNRT_BF16, 16, 1, 1, 128, 128, {1, 1, 1}, {65536, 65236, 20000}, 91,
+                       true, true);
+  const size_t row = 128;
+  auto boost = [&](int b, int c, float sc) {
+    const int64_t t1 = std::min<int64_t>((c + 1) * 128, B.kv_len[b]);
+    for (int64_t t = c * 128; t < t1; ++t)
+      for (size_t x = 0; x < row; ++x)
+        B.ik[(B.tok_off[b] + t) * row + x] = B.enc(sc * B.dec(B.iq[b * row + x]));
+  };
+  for (int i = 0; i < 16; ++i) {
+    boost(0, 100 + i, 2.f + 0.25f * i);  // a run, best last
+    boost(1, i, 6.f - 0.25f * i);        // the first blocks, best first
+    boost(2, 40 + 2 * i, 2.f + 0.25f * ((5 * i) % 16));
+  }
+  const SparseParams S = m3_params();
+  const Paging P = make_paging(B, 128, 92);
+  const SparseDecodeOut got = run_sparse_decode(B, S, P);
+  int ties = 0;
+  check_topk(B, S, got.topk, ref_scores(B, S), &ties);
+  std::vector<double> ro, rl;
+  ref_attend(B, S, &got.topk, true, ro, rl);
+  double worst = 0;
+  expect_close(B, S, got.att, ro, rl, &worst);
+  std::printf("sm90 sparse_decode, clustered winners: max abs err %.2e, near-tie rows %d\n",
+              worst, ties);
+}
+
 TEST(CudaSm90, LongContextDecode) {
   REQUIRE_HOPPER();
   int ctx = 524288;

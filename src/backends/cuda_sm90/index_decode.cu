@@ -12,15 +12,17 @@
 // id order. Padding is -1. The request's counters only grow, so the next launch, or a captured
 // graph's replay, needs no reset.
 //
-// Fused with the attend (launch_sparse_decode, op sparse_decode): each CTA that ranks a block
-// into the top 16 also publishes it in the request's word of that rank, tagged with the launch;
-// CTA p attends ranks p, p + P, ... (decode_block_attend.cuh; its own blocks at once, the others
-// as soon as their words carry this launch's tag) and writes one partial (normalised o, log2
-// lse) to the slot of its first rank. So no CTA attends more than ceil(16 / P) blocks, however
-// the winners cluster. The slot holders then wait for the request's other CTAs and split the
-// merge of the 16 heads between them; CTA 0 sorts topk. This removes, against the two launches,
-// the attend's wait for the whole indexer grid to drain, its second read of the selections and
-// page ids, and a merge by one CTA.
+// Fused with the attend (launch_sparse_decode, op sparse_decode; decode_block_attend.cuh): with
+// at least 16 CTAs a request (P), a CTA attends the best block it ranked into the top 16 at once;
+// every other top-16 block goes, through the request's word of its rank (tagged with the
+// launch), to the CTA of that rank (rank % P), which attends it beside its own best if it has
+// one. With fewer CTAs, CTA p attends ranks p, p + P, ... So no CTA attends more than two blocks
+// (P >= 16) or ceil(16 / P), however the winners cluster, and the usual case (winners apart) has
+// no round trip between ranking and attending. A CTA writes one partial (normalised o, log2 lse)
+// to the slot of its first rank; the slot holders then wait for the request's other CTAs and
+// split the merge of the 16 heads between them; rank 0's holder sorts topk. This removes,
+// against the two launches, the attend's wait for the whole indexer grid to drain, its second
+// read of the selections and page ids, and a merge by one CTA.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -99,48 +101,72 @@ __device__ __forceinline__ float dot8(uint4 v, const float* q) {
   return acc;
 }
 
-// Fused: CTA `part` of the request attends the selected blocks of ranks part, part + P, ...
-// (P = ctas_per_request), so that no CTA attends more than ceil(16 / P) blocks however the
-// winners cluster, in one online softmax, one block at a time through the stages, and writes its
-// partial to the slot of its first rank; its other slots get lse = -inf (no mass; their o is
-// never read). A rank's block is this CTA's own (s_mine), the rank itself when every block is
-// taken, or else read from the request's published word of that rank once its tag is this
-// launch's. The blocks after the first are prefetched into L2 as soon as they are known, so that
-// their copies into shared memory overlap the first block's. Every thread calls it, with
-// part < keff and q's copy into sQ issued. Returns how many slots the CTA holds (s_sel_rank).
+// Fused: which selected blocks CTA `part` of the request attends, so that a selected block is
+// attended by one CTA and no CTA by more than two (P >= 16) or ceil(16 / P) (P < 16) however the
+// winners cluster (P = ctas_per_request):
+// - with P >= 16 a CTA attends the best block it ranked itself (own_first) at once, with no
+//   round trip, and publishes it as taken;
+// - CTA p also takes the ranks p, p + P, ... that their rankers did not keep: its own, the rank
+//   itself when every block is taken, else the block published in the request's word of that
+//   rank (once its tag is this launch's; "taken" words are skipped).
+// It runs one online softmax over them, one block at a time through the stages (the later ones
+// prefetched into L2 as soon as they are known), and writes its partial to the slot of its first
+// rank; its other slots get lse = -inf (no mass; their o is never read). Every thread calls it,
+// with q's copy into sQ issued. Returns how many ranks the CTA attends (s_sel_rank), maybe 0.
 template <typename T>
 __device__ __forceinline__ int attend_selected(const SparseDecodeArgs& a, int b, int part,
-                                               int keff, bool all_taken, int kv,
+                                               int keff, bool all_taken, int own_first, int kv,
                                                const int32_t* pages, const uint64_t* published,
                                                uint32_t tag, unsigned char* stages, const T* sQ,
-                                               const int* s_mine, int* s_sel_block,
-                                               int* s_sel_rank, PartialShared& s_part) {
+                                               const int* s_mine, int* s_help, int* s_sel_block,
+                                               int* s_sel_rank, int& s_nsel,
+                                               PartialShared& s_part) {
   using namespace attnrt_cuda_common;
   const int tid = threadIdx.x;
-  const int stride = a.ctas_per_request;
-  const int nsel = (keff - part + stride - 1) / stride;
-  if (tid < nsel) {
-    const int r = part + tid * stride;
-    int c = all_taken ? r : s_mine[r];
-    if (c < 0) {
-      uint64_t w;
-      while (static_cast<uint32_t>((w = ld_acquire(published + r)) >> 32) != tag) __nanosleep(20);
-      c = static_cast<int>(static_cast<uint32_t>(w));
-    }
-    s_sel_rank[tid] = r;
-    s_sel_block[tid] = c;
-  }
-  __syncthreads();
   T* sK = reinterpret_cast<T*>(stages);
   T* sV = sK + kBlock * kHeadDim;
   const T* kc = static_cast<const T*>(a.att.kc);
   const T* vc = static_cast<const T*>(a.att.vc);
-  auto load = [&](int i) {
-    const int c = s_sel_block[i];
+  auto load = [&](int c) {
     load_block_kv(sK, sV, kc, vc, static_cast<int64_t>(pages[c]), a.att.k_s0, a.att.k_s1,
                   a.att.v_s0, a.att.v_s1, min(kBlock, kv - c * kBlock));
   };
-  load(0);
+  if (own_first >= 0) load(s_mine[own_first]);  // before any wait for a published word
+  const int stride = a.ctas_per_request;
+  const int nhelp = part < keff ? (keff - part + stride - 1) / stride : 0;
+  if (tid < nhelp) {
+    const int r = part + tid * stride;
+    int c = all_taken ? r : s_mine[r];
+    if (r == own_first) {
+      c = -1;  // listed first
+    } else if (c < 0) {
+      uint64_t w;
+      while (static_cast<uint32_t>((w = ld_acquire(published + r)) >> 32) != tag) __nanosleep(20);
+      c = static_cast<int>(static_cast<uint32_t>(w));  // -1: its ranker attends it
+    }
+    s_help[tid] = c;
+  }
+  __syncthreads();
+  if (tid == 0) {
+    int n = 0;
+    if (own_first >= 0) {
+      s_sel_rank[n] = own_first;
+      s_sel_block[n++] = s_mine[own_first];
+    }
+    for (int i = 0; i < nhelp; ++i)
+      if (s_help[i] >= 0) {
+        s_sel_rank[n] = part + i * stride;
+        s_sel_block[n++] = s_help[i];
+      }
+    s_nsel = n;
+  }
+  __syncthreads();
+  const int nsel = s_nsel;
+  if (nsel == 0) {
+    cp_wait<0>();  // q's copy
+    return 0;
+  }
+  if (own_first < 0) load(s_sel_block[0]);
   static_assert(kThreads == kBlock, "a thread prefetches one key row of each later block");
   for (int i = 1; i < nsel; ++i) {
     const int c = s_sel_block[i];
@@ -159,7 +185,7 @@ __device__ __forceinline__ int attend_selected(const SparseDecodeArgs& a, int b,
     const int j0 = s_sel_block[i] * kBlock;
     attend_block(st, sQ, sK, sV, j0, min(j0 + kBlock, kv), a.scale_log2);
     __syncthreads();  // K and V read: the next block's copy, or cta_partial's scratch, overlays them
-    if (i + 1 < nsel) load(i + 1);
+    if (i + 1 < nsel) load(s_sel_block[i + 1]);
   }
   ATTNRT_PHASE(sm90_sparse_decode, 6);
   const int64_t slots = static_cast<int64_t>(b) * kTopK;
@@ -262,9 +288,9 @@ __global__ void __launch_bounds__(kThreads, kFused ? 3 : 1) index_decode_kernel(
   __shared__ __align__(8) uint64_t bars[kStages];
   __shared__ float red[2][kThreads / 32];
   __shared__ int s_last;
-  // Fused: the blocks this CTA ranked, by rank (-1: another CTA's); the ranks it attends and
-  // their blocks.
-  __shared__ int s_mine[kTopK], s_sel_block[kTopK], s_sel_rank[kTopK];
+  // Fused: the blocks this CTA ranked, by rank (-1: another CTA's); the blocks of the ranks it
+  // may take for their rankers; the ranks it attends and their blocks.
+  __shared__ int s_mine[kTopK], s_help[kTopK], s_sel_block[kTopK], s_sel_rank[kTopK], s_nsel;
   __shared__ uint32_t s_tag;  // fused: this launch's tag of the published ranks
   __shared__ int s_heads[kHeads], s_nheads;  // fused: the heads this CTA merges
   __shared__ PartialShared s_part;
@@ -311,8 +337,8 @@ __global__ void __launch_bounds__(kThreads, kFused ? 3 : 1) index_decode_kernel(
     if constexpr (kFused) s_tag = static_cast<uint32_t>(target);
   }
   __syncthreads();
-  if constexpr (kFused) {  // after the first index pages (the critical path); slot holders only
-    if (part < min(kTopK, nblk))
+  if constexpr (kFused) {  // after the first index pages (the critical path); CTAs that may attend
+    if (c0 < c1 || part < min(kTopK, nblk))
       load_q(sQ, static_cast<const T*>(a.att.q) + static_cast<int64_t>(b) * a.att.q_s0,
              a.att.q_s1);
   }
@@ -431,8 +457,6 @@ __global__ void __launch_bounds__(kThreads, kFused ? 3 : 1) index_decode_kernel(
         out[rank * a.t_s2] = c;
         if constexpr (kFused) {
           s_mine[rank] = c;
-          // Published for the CTA that attends this rank, tagged with the launch.
-          st_relaxed(&sync[kRankWords + rank], (static_cast<uint64_t>(s_tag) << 32) | c);
         } else {
           __threadfence();  // before this CTA counts itself done
         }
@@ -442,19 +466,32 @@ __global__ void __launch_bounds__(kThreads, kFused ? 3 : 1) index_decode_kernel(
   __syncthreads();
   INDEX_PHASE(4);
   if constexpr (kFused) {
-    if (part >= keff) {  // holds no slot: q was not loaded; its published ranks are written
+    // With at least 16 CTAs a request, a CTA keeps the best block it ranked (own_first); every
+    // other block it ranked goes to the CTA of its rank (rank % P), through the request's word of
+    // that rank, tagged with the launch ("taken", -1, for own_first). Every warp finds own_first.
+    const bool all_taken = nvis <= kTopK;
+    const bool self_first = a.ctas_per_request >= kTopK && !all_taken;
+    const unsigned owned = __ballot_sync(0xffffffffu, lane < kTopK && s_mine[lane] >= 0);
+    const int own_first = self_first && owned != 0u ? __ffs(owned) - 1 : -1;
+    if (!all_taken && warp == 0 && lane < kTopK && s_mine[lane] >= 0) {
+      const uint32_t c = lane == own_first ? 0xffffffffu : static_cast<uint32_t>(s_mine[lane]);
+      st_relaxed(&sync[kRankWords + lane], (static_cast<uint64_t>(s_tag) << 32) | c);
+    }
+    if (part >= keff && own_first < 0) {  // attends nothing; its ranks are published
+      attnrt_cuda_common::cp_wait<0>();  // q's copy, if issued
       if (tid == 0) red_release_add(&sync[1], 1);
       return;
     }
-    const int nsel = attend_selected<T>(a, b, part, keff, nvis <= kTopK, kv, pages,
-                                        sync + kRankWords, s_tag, stages, sQ, s_mine,
-                                        s_sel_block, s_sel_rank, s_part);
+    const int nsel = attend_selected<T>(a, b, part, keff, all_taken, own_first, kv, pages,
+                                        sync + kRankWords, s_tag, stages, sQ, s_mine, s_help,
+                                        s_sel_block, s_sel_rank, s_nsel, s_part);
     INDEX_PHASE(7);
     // Count this CTA done once its slots' lse and partial are written: the barrier orders every
     // thread's stores before thread 0's release (the pattern of a split-K semaphore); the slot
     // holders' acquire makes them visible to them.
     __syncthreads();
     if (tid == 0) red_release_add(&sync[1], 1);
+    if (nsel == 0) return;  // its rank's ranker attends it
     // A slot holder waits for every CTA of the request (co-resident: a cooperative launch, or
     // alone), then merges its share of the heads: the merge is spread over up to 16 CTAs
     // instead of 16 heads' loads in one.

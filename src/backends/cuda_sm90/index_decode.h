@@ -30,7 +30,8 @@ struct IndexArgsBase {
 };
 
 // A request's words: counters [arrivals, CTAs done, launches], then (sparse_decode) the block
-// of each rank < 16, published as (launch tag << 32) | block id.
+// of each rank < 16, published as (launch tag << 32) | block id (0xffffffff: its ranker keeps
+// it).
 constexpr int kRankWords = 3;
 constexpr int kSyncWords = kRankWords + kTopK;
 
@@ -41,11 +42,12 @@ struct IndexDecodeArgs : IndexArgsBase {
 };
 
 // The whole sparse decode step (op sparse_decode): the indexer above, then the attention of the
-// 16 query heads (attend_decode.h's shape) over the selected blocks, in the same launch. CTA p of
-// a request (P a request) attends the blocks of ranks p, p + P, ... (published by the CTAs that
-// rank them) and writes one partial (normalised o, log2 lse) to the slot of its first rank,
-// lse = -inf to its others; these slot holders merge the slots by lse into out and lse, a share
-// of the heads each, and CTA 0 sorts topk.
+// 16 query heads (attend_decode.h's shape) over the selected blocks, in the same launch. Each
+// top-16 block is attended by one CTA of its request: the CTA that ranked it if it is that CTA's
+// best (with at least 16 CTAs a request), else the CTA of its rank (rank % P), told through the
+// request's word of that rank. A CTA writes one partial (normalised o, log2 lse) to the slot of
+// its first rank, lse = -inf to its others; these slot holders merge the slots by lse into out
+// and lse, a share of the heads each, and rank 0's holder sorts topk.
 struct SparseDecodeArgs : IndexDecodeArgs {
   attnrt_cuda_common::AttendTensors att;  // q, caches, out, lse, sink of the attention
   float* part_o;    // [n][16 slots][16 heads][128]; a slot of lse -inf holds no o

@@ -7,7 +7,8 @@
 // sparse_index_decode (index_decode.cu: bulk-copy page loads, block scores and the top-k in one
 // kernel), sparse_attend_decode (attend_decode.cu: a cluster of CTAs per request on tensor
 // cores, merging its partials in distributed shared memory) and sparse_decode, both in one
-// launch (index_decode.cu: CTA p of a request attends the blocks of ranks p, p + P, ...).
+// launch (index_decode.cu: a selected block is attended by the CTA that ranked it or by the
+// CTA of its rank).
 // Extend: sparse_index_extend (index_extend.cu: 128-token tiles scored on tensor cores, then a
 // top-k kernel) and sparse_attend_extend (attend_extend.cu: block-major, each selected block
 // read once per 32 tokens). Anything else its probe refuses by name, and the generic "cuda"
