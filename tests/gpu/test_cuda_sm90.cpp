@@ -343,36 +343,42 @@ TEST(CudaSm90, SparseDecodeStridedNearWinners) {
               worst, ties);
 }
 
-// Winners that cluster: a CTA ranks several of the 16 (it keeps its best, the others go to the
-// CTAs of their ranks), or a CTA's rank is kept by its ranker. Three requests, so that each has
-// many CTAs: a run of 16 blocks, the first 16 blocks, every other block of a range.
+// Winners that cluster: a CTA ranks several of the 16 (it keeps its best, or every one goes to
+// the CTA of its rank), or a CTA's rank is kept by its ranker. Requests cycle through three
+// patterns: a run of 16 blocks, the first 16 blocks, every other block of a range. 3 requests
+// give each of them more than 64 CTAs (the ranker keeps its best), 9 fewer.
 TEST(CudaSm90, SparseDecodeClusteredWinners) {
   REQUIRE_HOPPER();
-  Batch B = make_batch(ATTNRT_BF16, 16, 1, 1, 128, 128, {1, 1, 1}, {65536, 65236, 20000}, 91,
-                       true, true);
-  const size_t row = 128;
-  auto boost = [&](int b, int c, float sc) {
-    const int64_t t1 = std::min<int64_t>((c + 1) * 128, B.kv_len[b]);
-    for (int64_t t = c * 128; t < t1; ++t)
-      for (size_t x = 0; x < row; ++x)
-        B.ik[(B.tok_off[b] + t) * row + x] = B.enc(sc * B.dec(B.iq[b * row + x]));
-  };
-  for (int i = 0; i < 16; ++i) {
-    boost(0, 100 + i, 2.f + 0.25f * i);  // a run, best last
-    boost(1, i, 6.f - 0.25f * i);        // the first blocks, best first
-    boost(2, 40 + 2 * i, 2.f + 0.25f * ((5 * i) % 16));
+  for (const int n : {3, 9}) {
+    const std::vector<int32_t> lens = {65536, 65236, 20000};
+    std::vector<int32_t> ql(n, 1), kl(n);
+    for (int b = 0; b < n; ++b) kl[b] = lens[b % 3];
+    Batch B = make_batch(ATTNRT_BF16, 16, 1, 1, 128, 128, ql, kl, 91 + n, true, true);
+    const size_t row = 128;
+    auto boost = [&](int b, int c, float sc) {
+      const int64_t t1 = std::min<int64_t>((c + 1) * 128, B.kv_len[b]);
+      for (int64_t t = c * 128; t < t1; ++t)
+        for (size_t x = 0; x < row; ++x)
+          B.ik[(B.tok_off[b] + t) * row + x] = B.enc(sc * B.dec(B.iq[b * row + x]));
+    };
+    for (int b = 0; b < n; ++b)
+      for (int i = 0; i < 16; ++i) {
+        if (b % 3 == 0) boost(b, 100 + i, 2.f + 0.25f * i);  // a run, best last
+        if (b % 3 == 1) boost(b, i, 6.f - 0.25f * i);        // the first blocks, best first
+        if (b % 3 == 2) boost(b, 40 + 2 * i, 2.f + 0.25f * ((5 * i) % 16));
+      }
+    const SparseParams S = m3_params();
+    const Paging P = make_paging(B, 128, 92);
+    const SparseDecodeOut got = run_sparse_decode(B, S, P);
+    int ties = 0;
+    check_topk(B, S, got.topk, ref_scores(B, S), &ties);
+    std::vector<double> ro, rl;
+    ref_attend(B, S, &got.topk, true, ro, rl);
+    double worst = 0;
+    expect_close(B, S, got.att, ro, rl, &worst);
+    std::printf("sm90 sparse_decode, clustered winners, %d requests: max abs err %.2e, "
+                "near-tie rows %d\n", n, worst, ties);
   }
-  const SparseParams S = m3_params();
-  const Paging P = make_paging(B, 128, 92);
-  const SparseDecodeOut got = run_sparse_decode(B, S, P);
-  int ties = 0;
-  check_topk(B, S, got.topk, ref_scores(B, S), &ties);
-  std::vector<double> ro, rl;
-  ref_attend(B, S, &got.topk, true, ro, rl);
-  double worst = 0;
-  expect_close(B, S, got.att, ro, rl, &worst);
-  std::printf("sm90 sparse_decode, clustered winners: max abs err %.2e, near-tie rows %d\n",
-              worst, ties);
 }
 
 TEST(CudaSm90, LongContextDecode) {
@@ -639,10 +645,11 @@ TEST(CudaSm90, BenchM3) {
     int n, kl;
   };
   const Shape shapes[] = {{"decode 1x64k", 1, 65536},   {"decode 1x128k", 1, 131072},
+                          {"decode 4x64k", 4, 65536},   {"decode 8x64k", 8, 65536},
                           {"decode 16x64k", 16, 65536}, {"decode 64x64k", 64, 65536},
                           {"decode 64x128k", 64, 131072}};
   // ATTNRT_GPU_BENCH_SHAPES: time only the shapes whose name contains one of its comma-separated
-  // parts (e.g. "1x64k,1x128k").
+  // parts (e.g. "1x64k,1x128k"; "decode 4x64k" for that one without 64x64k).
   const char* only = std::getenv("ATTNRT_GPU_BENCH_SHAPES");
   auto selected = [&](const char* name) {
     if (!only) return true;

@@ -12,17 +12,17 @@
 // id order. Padding is -1. The request's counters only grow, so the next launch, or a captured
 // graph's replay, needs no reset.
 //
-// Fused with the attend (launch_sparse_decode, op sparse_decode; decode_block_attend.cuh): with
-// at least 16 CTAs a request (P), a CTA attends the best block it ranked into the top 16 at once;
-// every other top-16 block goes, through the request's word of its rank (tagged with the
-// launch), to the CTA of that rank (rank % P), which attends it beside its own best if it has
-// one. With fewer CTAs, CTA p attends ranks p, p + P, ... So no CTA attends more than two blocks
-// (P >= 16) or ceil(16 / P), however the winners cluster, and the usual case (winners apart) has
-// no round trip between ranking and attending. A CTA writes one partial (normalised o, log2 lse)
-// to the slot of its first rank; the slot holders then wait for the request's other CTAs and
-// split the merge of the 16 heads between them; rank 0's holder sorts topk. This removes,
-// against the two launches, the attend's wait for the whole indexer grid to drain, its second
-// read of the selections and page ids, and a merge by one CTA.
+// Fused with the attend (launch_sparse_decode, op sparse_decode; decode_block_attend.cuh): each
+// top-16 block is attended by one CTA of its request. CTA p attends ranks p, p + P, ... (P CTAs a
+// request), learning their blocks from the request's word of each rank, which the ranking CTA
+// writes tagged with the launch; with 64 or more CTAs a request, a CTA instead keeps the best
+// block it ranked and attends it at once (its word says "taken"), so the usual case, winners
+// apart, has no round trip between ranking and attending. So no CTA attends more than
+// ceil(16 / P) blocks, or two, however the winners cluster. A CTA writes one partial (normalised
+// o, log2 lse) to the slot of its first rank; the slot holders then wait for the request's other
+// CTAs and split the merge of the 16 heads between them; rank 0's holder sorts topk. This
+// removes, against the two launches, the attend's wait for the whole indexer grid to drain, its
+// second read of the selections and page ids, and a merge by one CTA.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -59,6 +59,11 @@ constexpr int kPageBytes = kBlock * kDim * 2;
 static_assert(kStages * kPageBytes >= kMaxBlocks * 4, "a request's block keys reuse the stages");
 static_assert(kStages * kPageBytes == 2 * kTileBytes, "the fused attend's K and V reuse the stages");
 static_assert(kPartialScratchBytes <= kStages * kPageBytes, "cta_partial's scratch too");
+// Fused: from this many CTAs a request, a CTA attends the best block it ranked itself. The CTA of
+// a rank handed on then owns a selected block of its own with odds of about 16 / P, and attends
+// both one after another; with fewer CTAs that is likely, and a round trip through the rank's
+// word costs less than a second block (measured: 1 x 64k, P = 256 and 16 x 64k, P = 24).
+constexpr int kKeepBestCtas = 64;
 constexpr int smem_bytes(bool fused) { return kStages * kPageBytes + (fused ? kQBytes : 0); }
 using attnrt_cuda_common::raise_smem_limit;
 using attnrt_cuda_common::set_attribute_once;
@@ -101,14 +106,11 @@ __device__ __forceinline__ float dot8(uint4 v, const float* q) {
   return acc;
 }
 
-// Fused: which selected blocks CTA `part` of the request attends, so that a selected block is
-// attended by one CTA and no CTA by more than two (P >= 16) or ceil(16 / P) (P < 16) however the
-// winners cluster (P = ctas_per_request):
-// - with P >= 16 a CTA attends the best block it ranked itself (own_first) at once, with no
-//   round trip, and publishes it as taken;
-// - CTA p also takes the ranks p, p + P, ... that their rankers did not keep: its own, the rank
-//   itself when every block is taken, else the block published in the request's word of that
-//   rank (once its tag is this launch's; "taken" words are skipped).
+// Fused: which selected blocks CTA `part` of the request attends (P = ctas_per_request):
+// - own_first (>= 0 with P >= kKeepBestCtas): the best block it ranked, loaded at once;
+// - the ranks part, part + P, ... that their rankers did not keep: its own, the rank itself when
+//   every block is taken, else the block published in the request's word of that rank (once its
+//   tag is this launch's; "taken" words are skipped).
 // It runs one online softmax over them, one block at a time through the stages (the later ones
 // prefetched into L2 as soon as they are known), and writes its partial to the slot of its first
 // rank; its other slots get lse = -inf (no mass; their o is never read). Every thread calls it,
@@ -466,11 +468,12 @@ __global__ void __launch_bounds__(kThreads, kFused ? 3 : 1) index_decode_kernel(
   __syncthreads();
   INDEX_PHASE(4);
   if constexpr (kFused) {
-    // With at least 16 CTAs a request, a CTA keeps the best block it ranked (own_first); every
-    // other block it ranked goes to the CTA of its rank (rank % P), through the request's word of
-    // that rank, tagged with the launch ("taken", -1, for own_first). Every warp finds own_first.
+    // With kKeepBestCtas or more CTAs a request, a CTA keeps the best block it ranked
+    // (own_first); every other block it ranked goes to the CTA of its rank (rank % P), through
+    // the request's word of that rank, tagged with the launch ("taken", -1, for own_first).
+    // Every warp finds own_first.
     const bool all_taken = nvis <= kTopK;
-    const bool self_first = a.ctas_per_request >= kTopK && !all_taken;
+    const bool self_first = a.ctas_per_request >= kKeepBestCtas && !all_taken;
     const unsigned owned = __ballot_sync(0xffffffffu, lane < kTopK && s_mine[lane] >= 0);
     const int own_first = self_first && owned != 0u ? __ffs(owned) - 1 : -1;
     if (!all_taken && warp == 0 && lane < kTopK && s_mine[lane] >= 0) {
