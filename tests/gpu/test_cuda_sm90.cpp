@@ -346,7 +346,7 @@ TEST(CudaSm90, SparseDecodeStridedNearWinners) {
 // Winners that cluster: a CTA ranks several of the 16 (it keeps its best, or every one goes to
 // the CTA of its rank), or a CTA's rank is kept by its ranker. Requests cycle through three
 // patterns: a run of 16 blocks, the first 16 blocks, every other block of a range. 3 requests
-// give each of them more than 64 CTAs (the ranker keeps its best), 9 fewer.
+// give each of them 132 CTAs with 132 multiprocessors (the ranker keeps its best), 9 fewer.
 TEST(CudaSm90, SparseDecodeClusteredWinners) {
   REQUIRE_HOPPER();
   for (const int n : {3, 9}) {

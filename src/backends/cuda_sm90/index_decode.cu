@@ -15,7 +15,7 @@
 // Fused with the attend (launch_sparse_decode, op sparse_decode; decode_block_attend.cuh): each
 // top-16 block is attended by one CTA of its request. CTA p attends ranks p, p + P, ... (P CTAs a
 // request), learning their blocks from the request's word of each rank, which the ranking CTA
-// writes tagged with the launch; with 64 or more CTAs a request, a CTA instead keeps the best
+// writes tagged with the launch; with 128 or more CTAs a request, a CTA instead keeps the best
 // block it ranked and attends it at once (its word says "taken"), so the usual case, winners
 // apart, has no round trip between ranking and attending. So no CTA attends more than
 // ceil(16 / P) blocks, or two, however the winners cluster. A CTA writes one partial (normalised
@@ -61,9 +61,10 @@ static_assert(kStages * kPageBytes == 2 * kTileBytes, "the fused attend's K and 
 static_assert(kPartialScratchBytes <= kStages * kPageBytes, "cta_partial's scratch too");
 // Fused: from this many CTAs a request, a CTA attends the best block it ranked itself. The CTA of
 // a rank handed on then owns a selected block of its own with odds of about 16 / P, and attends
-// both one after another; with fewer CTAs that is likely, and a round trip through the rank's
-// word costs less than a second block (measured: 1 x 64k, P = 256 and 16 x 64k, P = 24).
-constexpr int kKeepBestCtas = 64;
+// both one after another; with fewer CTAs that costs more than every holder's round trip through
+// its rank's word (H100, bench/RESULTS_CUDA.md: keeping won at P = 264 and 347, lost at 88 and
+// below).
+constexpr int kKeepBestCtas = 128;
 constexpr int smem_bytes(bool fused) { return kStages * kPageBytes + (fused ? kQBytes : 0); }
 using attnrt_cuda_common::raise_smem_limit;
 using attnrt_cuda_common::set_attribute_once;

@@ -44,7 +44,7 @@ struct IndexDecodeArgs : IndexArgsBase {
 // The whole sparse decode step (op sparse_decode): the indexer above, then the attention of the
 // 16 query heads (attend_decode.h's shape) over the selected blocks, in the same launch. Each
 // top-16 block is attended by one CTA of its request: the CTA that ranked it if it is that CTA's
-// best (with 64 or more CTAs a request), else the CTA of its rank (rank % P), told through the
+// best (with 128 or more CTAs a request), else the CTA of its rank (rank % P), told through the
 // request's word of that rank. A CTA writes one partial (normalised o, log2 lse) to the slot of
 // its first rank, lse = -inf to its others; these slot holders merge the slots by lse into out
 // and lse, a share of the heads each, and rank 0's holder sorts topk.
