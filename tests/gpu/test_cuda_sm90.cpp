@@ -9,6 +9,7 @@
 // Every test skips without a CUDA device; on a device other than sm_90 only the probe test runs.
 // ATTNRT_GPU_BENCH=1 times it beside the generic cuda plugin on the M3 decode and extend shapes.
 #include <sstream>
+#include <string>
 
 #include "sparse_harness.h"
 
@@ -262,6 +263,31 @@ TEST(CudaSm90, IndexDecodeLargeBatch) {
   check_topk(B, S, run_index(B, S, P, true), ref_scores(B, S), &ties);
 }
 
+// Runs sparse_decode on B and checks it against the reference: top-k equal as sets (near ties
+// allowed), outputs and lse within tolerance. Prints `what` with the worst error.
+void check_sparse_decode(const Batch& B, const SparseParams& S, const Paging& P,
+                         const std::string& what) {
+  const SparseDecodeOut got = run_sparse_decode(B, S, P);
+  int ties = 0;
+  check_topk(B, S, got.topk, ref_scores(B, S), &ties);
+  std::vector<double> ro, rl;
+  ref_attend(B, S, &got.topk, true, ro, rl);
+  double worst = 0;
+  expect_close(B, S, got.att, ro, rl, &worst);
+  std::printf("sm90 sparse_decode %s: max abs err %.2e, near-tie rows %d\n", what.c_str(), worst,
+              ties);
+}
+
+// Sets the index keys of block c of request b to sc times the request's index query, so that
+// the block scores sc * |q_idx|^2.
+void scale_block_keys(Batch& B, int b, int c, float sc) {
+  const size_t row = static_cast<size_t>(B.didx);
+  const int64_t t1 = std::min<int64_t>((c + 1) * 128, B.kv_len[b]);
+  for (int64_t t = c * 128; t < t1; ++t)
+    for (size_t x = 0; x < row; ++x)
+      B.ik[(B.tok_off[b] + t) * row + x] = B.enc(sc * B.dec(B.iq[b * row + x]));
+}
+
 // sparse_decode, the indexer and attend in one launch: its top-k against the reference scores,
 // its output against the reference attention over the top-k it wrote. Cases cover every path of
 // the kernel: a context of at most 16 blocks (all taken, no barrier), one request, ragged batches
@@ -300,15 +326,9 @@ TEST(CudaSm90, SparseDecodeMatchesReference) {
     S.sink = c.sink;
     S.lse = c.lse;
     const Paging P = make_paging(B, 128, 31 + it);
-    const SparseDecodeOut got = run_sparse_decode(B, S, P);
-    int ties = 0;
-    check_topk(B, S, got.topk, ref_scores(B, S), &ties);
-    std::vector<double> ro, rl;
-    ref_attend(B, S, &got.topk, true, ro, rl);
-    double worst = 0;
-    expect_close(B, S, got.att, ro, rl, &worst);
-    std::printf("sm90 sparse_decode case %d (%zu requests): max abs err %.2e, near-tie rows %d\n",
-                it, c.kv.size(), worst, ties);
+    check_sparse_decode(B, S, P,
+                        "case " + std::to_string(it) + " (" + std::to_string(c.kv.size()) +
+                            " requests)");
     ++it;
   }
 }
@@ -323,24 +343,11 @@ TEST(CudaSm90, SparseDecodeStridedNearWinners) {
   Batch B = make_batch(ATTNRT_BF16, 16, 1, 1, 128, 128, {1, 1}, {262144, 5000}, 77, true, true);
   std::mt19937 rng(78);
   std::uniform_real_distribution<float> half(0.f, 0.5f);
-  const size_t row = 128;
   for (int c = 0; c < 2048; ++c) {
     const int g = c % 128;
-    const float sc = g < 16 ? 1.f + static_cast<float>(g) + half(rng) : 0.f;
-    for (int t = c * 128; t < (c + 1) * 128; ++t)
-      for (size_t x = 0; x < row; ++x) B.ik[t * row + x] = B.enc(sc * B.dec(B.iq[x]));
+    scale_block_keys(B, 0, c, g < 16 ? 1.f + static_cast<float>(g) + half(rng) : 0.f);
   }
-  const SparseParams S = m3_params();
-  const Paging P = make_paging(B, 128, 41);
-  const SparseDecodeOut got = run_sparse_decode(B, S, P);
-  int ties = 0;
-  check_topk(B, S, got.topk, ref_scores(B, S), &ties);
-  std::vector<double> ro, rl;
-  ref_attend(B, S, &got.topk, true, ro, rl);
-  double worst = 0;
-  expect_close(B, S, got.att, ro, rl, &worst);
-  std::printf("sm90 sparse_decode, strided near-winners: max abs err %.2e, near-tie rows %d\n",
-              worst, ties);
+  check_sparse_decode(B, m3_params(), make_paging(B, 128, 41), "strided near-winners");
 }
 
 // Winners that cluster: a CTA ranks several of the 16 (it keeps its best, or every one goes to
@@ -354,30 +361,14 @@ TEST(CudaSm90, SparseDecodeClusteredWinners) {
     std::vector<int32_t> ql(n, 1), kl(n);
     for (int b = 0; b < n; ++b) kl[b] = lens[b % 3];
     Batch B = make_batch(ATTNRT_BF16, 16, 1, 1, 128, 128, ql, kl, 91 + n, true, true);
-    const size_t row = 128;
-    auto boost = [&](int b, int c, float sc) {
-      const int64_t t1 = std::min<int64_t>((c + 1) * 128, B.kv_len[b]);
-      for (int64_t t = c * 128; t < t1; ++t)
-        for (size_t x = 0; x < row; ++x)
-          B.ik[(B.tok_off[b] + t) * row + x] = B.enc(sc * B.dec(B.iq[b * row + x]));
-    };
     for (int b = 0; b < n; ++b)
       for (int i = 0; i < 16; ++i) {
-        if (b % 3 == 0) boost(b, 100 + i, 2.f + 0.25f * i);  // a run, best last
-        if (b % 3 == 1) boost(b, i, 6.f - 0.25f * i);        // the first blocks, best first
-        if (b % 3 == 2) boost(b, 40 + 2 * i, 2.f + 0.25f * ((5 * i) % 16));
+        if (b % 3 == 0) scale_block_keys(B, b, 100 + i, 2.f + 0.25f * i);  // a run, best last
+        if (b % 3 == 1) scale_block_keys(B, b, i, 6.f - 0.25f * i);  // the first, best first
+        if (b % 3 == 2) scale_block_keys(B, b, 40 + 2 * i, 2.f + 0.25f * ((5 * i) % 16));
       }
-    const SparseParams S = m3_params();
-    const Paging P = make_paging(B, 128, 92);
-    const SparseDecodeOut got = run_sparse_decode(B, S, P);
-    int ties = 0;
-    check_topk(B, S, got.topk, ref_scores(B, S), &ties);
-    std::vector<double> ro, rl;
-    ref_attend(B, S, &got.topk, true, ro, rl);
-    double worst = 0;
-    expect_close(B, S, got.att, ro, rl, &worst);
-    std::printf("sm90 sparse_decode, clustered winners, %d requests: max abs err %.2e, "
-                "near-tie rows %d\n", n, worst, ties);
+    check_sparse_decode(B, m3_params(), make_paging(B, 128, 92),
+                        "clustered winners, " + std::to_string(n) + " requests");
   }
 }
 
