@@ -374,6 +374,35 @@ TEST(CudaPlugin, ExtendLongPrompts) {
   }
 }
 
+// Contexts whose K/V over all KV heads exceeds half of the device's L2: the plan orders the
+// blocks in sections of fewer KV heads (extend_block), so a head's tiles no longer run next to
+// every other head's. Lengths are sized from the L2 at hand so this holds on any device.
+TEST(CudaPlugin, ExtendKvBeyondL2) {
+  REQUIRE_GPU();
+  int l2 = 0;
+  ASSERT_EQ(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, 0), cudaSuccess);
+  const int dims[] = {128, 64};
+  for (int it = 0; it < 2; ++it) {
+    Case c;
+    c.op = ATTNRT_OP_DENSE_EXTEND;
+    c.dtype = it ? ATTNRT_F16 : ATTNRT_BF16;
+    c.d = dims[it];
+    c.page = it ? 16 : 64;
+    c.hkv = 4;
+    c.hq = 8;
+    c.sink = it == 1;
+    // Keys over both requests: 1.3x the count at which all 4 heads' K/V (2-byte) fill L2 / 2.
+    const int keys = static_cast<int>(1.3 * (l2 / 2) / (c.hkv * 2.0 * c.d * 2)) + 1;
+    c.q_len = {130, 21};
+    c.kv_len = {keys / 2 + 7, keys - keys / 2 - 7};
+    int64_t all = 0;
+    for (int kv : c.kv_len) all += kv;
+    ASSERT_GT(c.hkv * 2 * all * c.d * 2, l2 / 2);
+    SCOPED_TRACE(it);
+    expect_good(c, 500 + it);
+  }
+}
+
 TEST(CudaPlugin, DecodeRandomSweepWithSplits) {
   REQUIRE_GPU();
   std::mt19937 rng(99);

@@ -98,7 +98,8 @@ int32_t p_plan(const attnrt_problem* p, const attnrt_layout* L, attnrt_plan* out
       return attnrt_cuda_sparse::plan(p, L, g_rt.info(p->device.index).sms, out, g_error,
                                       sizeof g_error);
     const attnrt_cuda_common::DeviceInfo& dev = g_rt.info(p->device.index);
-    return attnrt_cuda_dense::plan(p, L, dev.sms, uses_wgmma(dev), out, g_error, sizeof g_error);
+    return attnrt_cuda_dense::plan(p, L, dev.sms, dev.l2_bytes, uses_wgmma(dev), out, g_error,
+                                   sizeof g_error);
   } catch (...) {
     return fail(ATTNRT_INTERNAL, "exception in cuda plan");
   }

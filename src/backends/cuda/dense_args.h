@@ -22,11 +22,23 @@ struct Args : attnrt_cuda_common::AttendTensors {
   const int32_t* q_start;  // first packed token of each request
   const int32_t* page_indptr;
   const int32_t* page_ids;
-  const int2* tiles;  // extend: (request, first query row of the tile)
+  const int2* tiles;  // extend: (request, first query row of the tile), longest first
+  int num_tiles, section_heads;  // extend: block order, see extend_block()
   int splits, head_chunks;  // decode
   float* part_o;
   float* part_lse;
 };
+
+// Extend: the query tile and head of this CTA. Blocks go section by section, a section being
+// section_heads query heads (whole KV groups, chosen in the plan so that their K/V fits in L2);
+// within a section, tile-major with the longest tiles first, head fastest. So the CTAs resident
+// at a time read the K/V of a few heads, which L2 then serves.
+__device__ __forceinline__ int2 extend_block(const Args& a, int& h) {
+  const int per_section = a.num_tiles * a.section_heads;
+  const int sec = blockIdx.x / per_section, r = blockIdx.x - sec * per_section;
+  h = sec * a.section_heads + r % a.section_heads;
+  return a.tiles[r / a.section_heads];
+}
 
 // Page-table index and row within the page of key j (shift when the page size is a power of 2).
 __device__ __forceinline__ void key_page(const Args& a, int j, int& pg, int& row) {
@@ -67,8 +79,9 @@ struct CacheExtent {
 
 // Hopper (sm_90a) dense_extend for head_dim 128: warpgroup MMA (wgmma) from shared memory, 128
 // query rows x 128 keys per step. Launches on `st`; the tiles of the plan are 128 query rows.
-// Grid: num_tiles x a.hq blocks, head index fastest. K/V tiles arrive by tensor-memory copies when
-// the page size and the caches' strides allow (k, v: the caches' extents), else by cp.async.
+// Grid: num_tiles x a.hq blocks in the order of extend_block(). K/V tiles arrive by
+// tensor-memory copies when the page size and the caches' strides allow (k, v: the caches'
+// extents), else by cp.async.
 template <typename T>
 cudaError_t launch_extend_wgmma(const Args& a, const CacheExtent& k, const CacheExtent& v,
                                 int num_tiles, cudaStream_t st);

@@ -19,11 +19,12 @@ inline bool is_dense_op(int32_t op) {
   return op == ATTNRT_OP_DENSE_EXTEND || op == ATTNRT_OP_DENSE_DECODE;
 }
 
-// Builds a plan: extend -> query tiles (longest first); decode -> split count per request from
-// the multiprocessor count and the lengths, metadata at fixed device addresses. `wgmma`: the
-// device runs the Hopper extend kernel (compute capability 9.0; chosen once in init).
-int32_t plan(const attnrt_problem* p, const attnrt_layout* layout, int sms, bool wgmma,
-             attnrt_plan* out, char* err, size_t cap);
+// Builds a plan: extend -> query tiles (longest first), ordered in sections of KV heads that
+// fit in L2 (`l2_bytes`); decode -> split count per request from the multiprocessor count and
+// the lengths, metadata at fixed device addresses. `wgmma`: the device runs the Hopper extend
+// kernel (compute capability 9.0; chosen once in init).
+int32_t plan(const attnrt_problem* p, const attnrt_layout* layout, int sms, int64_t l2_bytes,
+             bool wgmma, attnrt_plan* out, char* err, size_t cap);
 // Decode: absorbs new kv_len / page ids for the same number of requests in place (same device
 // addresses, same grid), so that a CUDA graph captured over run() replays with the new lengths.
 // ATTNRT_UNAVAILABLE when the layout does not fit the plan (the host re-plans).

@@ -86,10 +86,9 @@ __global__ void __launch_bounds__(kThreads, DECODE ? (D == 256 ? 1 : 3) : 2) att
   int b, kvh, key_begin, key_end, tok0 = 0, qs = 0, h_ext = 0, hc = 0, item = 0;
   int rows_valid;  // extend: query rows of the tile; decode: heads of the chunk
   if constexpr (!DECODE) {
-    const int2 tile = a.tiles[blockIdx.x / a.hq];  // head fastest: longest tiles first
+    const int2 tile = extend_block(a, h_ext);
     b = tile.x;
     qs = tile.y;
-    h_ext = blockIdx.x % a.hq;
     kvh = h_ext / a.group;
     const int kv = a.kv_len[b], ql = a.q_len[b];
     rows_valid = min(BQ, ql - qs);
@@ -418,6 +417,7 @@ struct DensePlan {
   attnrt_problem problem{};  // first member: the plugin dispatches on problem.op
   int n = 0;
   int num_tiles = 0;      // extend
+  int section_heads = 0;  // extend: query heads per section of the block order (extend_block)
   bool wgmma = false;     // extend: the Hopper kernel serves this plan
   int splits = 1;         // decode: per request (uniform, so the grid is fixed for graphs)
   int head_chunks = 1;    // decode: ceil(group / 16)
@@ -534,8 +534,8 @@ int page_shift_of(int ps) {
   return s;
 }
 
-int32_t plan_impl(const attnrt_problem* p, const attnrt_layout* L, int sms, bool wgmma,
-                  DensePlan* pl, char* err, size_t cap) {
+int32_t plan_impl(const attnrt_problem* p, const attnrt_layout* L, int sms, int64_t l2_bytes,
+                  bool wgmma, DensePlan* pl, char* err, size_t cap) {
   pl->problem = *p;
   pl->wgmma = wgmma && p->op == ATTNRT_OP_DENSE_EXTEND && p->head_dim == 128;
   const int n = L->num_requests;
@@ -576,6 +576,20 @@ int32_t plan_impl(const attnrt_problem* p, const attnrt_layout* L, int sms, bool
     std::stable_sort(tiles.begin(), tiles.end(),
                      [&](const int2& x, const int2& y) { return keys(x) > keys(y); });
     pl->num_tiles = static_cast<int>(tiles.size());
+    // Sections of the block order: the most KV heads (dividing their number) whose K/V, over all
+    // requests, fits in half of L2; at least one. With every head in one section, the CTAs
+    // resident at a time read all heads' K/V at once and miss L2 far more often (measured:
+    // 64k keys, 8 KV heads, 45 GB read from DRAM at a 60% L2 hit rate, 2.1 GB at 97%).
+    int64_t all_keys = 0;
+    for (int b = 0; b < n; ++b) all_keys += L->kv_len[b];
+    const int64_t kv_head_bytes = 2 * all_keys * p->head_dim * 2;  // K and V, 2-byte elements
+    int kvs = 1;
+    for (int s = p->num_kv_heads; s > 1; --s)
+      if (p->num_kv_heads % s == 0 && s * kv_head_bytes <= l2_bytes / 2) {
+        kvs = s;
+        break;
+      }
+    pl->section_heads = kvs * (p->num_q_heads / p->num_kv_heads);
     return upload(&pl->d_tiles, tiles.data(), tiles.size(), tiles.size(), err, cap);
   }
   // Decode: CTAs = requests x splits x kv heads x head chunks, uniform over requests so the grid
@@ -602,14 +616,14 @@ int32_t plan_impl(const attnrt_problem* p, const attnrt_layout* L, int sms, bool
 
 }  // namespace
 
-int32_t plan(const attnrt_problem* p, const attnrt_layout* L, int sms, bool wgmma,
-             attnrt_plan* out, char* err, size_t cap) {
+int32_t plan(const attnrt_problem* p, const attnrt_layout* L, int sms, int64_t l2_bytes,
+             bool wgmma, attnrt_plan* out, char* err, size_t cap) {
   DensePlan* pl = new (std::nothrow) DensePlan{};
   if (!pl) {
     std::snprintf(err, cap, "out of host memory");
     return ATTNRT_INTERNAL;
   }
-  if (int32_t s = plan_impl(p, L, sms, wgmma, pl, err, cap); s != ATTNRT_OK) {
+  if (int32_t s = plan_impl(p, L, sms, l2_bytes, wgmma, pl, err, cap); s != ATTNRT_OK) {
     free_plan(pl);
     return s;
   }
@@ -665,6 +679,8 @@ int32_t run(attnrt_plan plan, const attnrt_tensors* t, void* stream, char* err, 
   a.page_indptr = pl.d_page_indptr;
   a.page_ids = pl.d_page_ids;
   a.tiles = pl.d_tiles;
+  a.num_tiles = pl.num_tiles;
+  a.section_heads = pl.section_heads;
   a.splits = pl.splits;
   a.head_chunks = pl.head_chunks;
   a.part_o = pl.d_part_o;

@@ -168,9 +168,9 @@ __global__ void __launch_bounds__(threads_of(kTma), 1)
   const int tid = threadIdx.x, wg = tid >> 7, lane = tid & 31;
   const int g = lane >> 2, t4 = lane & 3;
 
-  // Block i = (tile i / Hq, head i % Hq): every head's longest tiles start first.
-  const int2 tile = a.tiles[blockIdx.x / a.hq];
-  const int h = blockIdx.x % a.hq, b = tile.x, qs = tile.y, kvh = h / a.group;
+  int h;
+  const int2 tile = extend_block(a, h);
+  const int b = tile.x, qs = tile.y, kvh = h / a.group;
   const int kv = a.kv_len[b], ql = a.q_len[b];
   const int rows_valid = min(kBQ, ql - qs);
   const int tok0 = a.q_start[b] + qs;

@@ -16,6 +16,7 @@ namespace attnrt_cuda_common {
 
 struct DeviceInfo {
   int major = 0, minor = 0, sms = 0;
+  int64_t l2_bytes = 0;
   char name[256] = "";
 };
 
@@ -110,6 +111,7 @@ class DeviceRuntime {
       devices_[i].major = prop.major;
       devices_[i].minor = prop.minor;
       devices_[i].sms = prop.multiProcessorCount;
+      devices_[i].l2_bytes = prop.l2CacheSize;
       std::snprintf(devices_[i].name, sizeof devices_[i].name, "%s", prop.name);
     }
     return ATTNRT_OK;
