@@ -79,12 +79,12 @@ struct CacheExtent {
 
 // Hopper (sm_90a) dense_extend for head_dim 128: warpgroup MMA (wgmma) from shared memory, 128
 // query rows x 128 keys per step. Launches on `st`; the tiles of the plan are 128 query rows.
-// Grid: num_tiles x a.hq blocks in the order of extend_block(). K/V tiles arrive by
+// Grid: a.num_tiles x a.hq blocks in the order of extend_block(). K/V tiles arrive by
 // tensor-memory copies when the page size and the caches' strides allow (k, v: the caches'
 // extents), else by cp.async.
 template <typename T>
 cudaError_t launch_extend_wgmma(const Args& a, const CacheExtent& k, const CacheExtent& v,
-                                int num_tiles, cudaStream_t st);
+                                cudaStream_t st);
 template <typename T>
 cudaError_t prepare_extend_wgmma();
 constexpr int kWgmmaTileRows = 128;

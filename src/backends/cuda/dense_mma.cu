@@ -496,10 +496,10 @@ int32_t launch(const DensePlan& pl, const Args& a, const CacheExtent (&kv)[2], c
   if (p.op == ATTNRT_OP_DENSE_EXTEND) {
     if (pl.num_tiles == 0) return ATTNRT_OK;
     if (pl.wgmma) {
-      DK_CK(launch_extend_wgmma<T>(a, kv[0], kv[1], pl.num_tiles, st));
+      DK_CK(launch_extend_wgmma<T>(a, kv[0], kv[1], st));
       return ATTNRT_OK;
     }
-    attn_mma_kernel<T, D, false><<<pl.num_tiles * p.num_q_heads, kThreads,
+    attn_mma_kernel<T, D, false><<<a.num_tiles * p.num_q_heads, kThreads,
                                    Cfg<D, false>::smem_bytes(sizeof(T)), st>>>(a);
     DK_CK(cudaGetLastError());
     return ATTNRT_OK;

@@ -602,7 +602,7 @@ cudaError_t prepare_extend_wgmma() {
 
 template <typename T>
 cudaError_t launch_extend_wgmma(const Args& a, const CacheExtent& k, const CacheExtent& v,
-                                int num_tiles, cudaStream_t st) {
+                                cudaStream_t st) {
   CacheMaps maps{};
   maps.box_rows = std::gcd(a.page_size, kBK);
   // Page runs of fewer than 8 rows would need more copies per tile than warp 0 has lanes (and
@@ -615,17 +615,17 @@ cudaError_t launch_extend_wgmma(const Args& a, const CacheExtent& k, const Cache
   maps.staged_out =
       reinterpret_cast<uintptr_t>(a.out) % 16 == 0 && a.o_s0 % 8 == 0 && a.o_s1 % 8 == 0;
   if (tma)
-    extend_wgmma_kernel<T, true><<<num_tiles * a.hq, threads_of(true), kSmemBytes, st>>>(a, maps);
+    extend_wgmma_kernel<T, true><<<a.num_tiles * a.hq, threads_of(true), kSmemBytes, st>>>(a, maps);
   else
-    extend_wgmma_kernel<T, false><<<num_tiles * a.hq, kThreads, kSmemBytes, st>>>(a, maps);
+    extend_wgmma_kernel<T, false><<<a.num_tiles * a.hq, kThreads, kSmemBytes, st>>>(a, maps);
   return cudaGetLastError();
 }
 
 template cudaError_t prepare_extend_wgmma<__nv_bfloat16>();
 template cudaError_t prepare_extend_wgmma<__half>();
 template cudaError_t launch_extend_wgmma<__nv_bfloat16>(const Args&, const CacheExtent&,
-                                                        const CacheExtent&, int, cudaStream_t);
+                                                        const CacheExtent&, cudaStream_t);
 template cudaError_t launch_extend_wgmma<__half>(const Args&, const CacheExtent&,
-                                                 const CacheExtent&, int, cudaStream_t);
+                                                 const CacheExtent&, cudaStream_t);
 
 }  // namespace attnrt_cuda_dense
