@@ -10,8 +10,9 @@ Usage: cuda_side_by_side.py [path/to/attnrt] [--m3]   (default build/bin/attnrt)
 Prints one table; the last column is attnrt's speed over the cuDNN backend's.
 --m3: instead, dense decode at the MiniMax-M3 per-rank shape (Hq=16, Hkv=1, d=128, bf16) through
 torch's cuDNN and flash backends, timed as attnrt_gpu_sm90_tests' BenchM3 times sparse decode (one
-call captured in a CUDA graph, replayed after a 256 MB memset that evicts L2, median of 20), so
-that the two compare on the same card in one device session."""
+call captured in a CUDA graph, replayed after L2 is evicted, median of 20), so that the two compare
+on the same card in one device session; each peer twice, L2 evicted by a 256 MB memset and by a
+256 MB read (BenchM3 with ATTNRT_GPU_BENCH_FLUSH=read)."""
 import json
 import os
 import subprocess
@@ -55,9 +56,12 @@ def sdpa_ms(bsz, s, prefill, backend, hq=32, hkv=8, d=128):
                                                             enable_gqa=True), 10 if prefill else 20)
 
 
-def cold_graph_ms(fn, reps=20):
-    """Median ms of fn captured in a CUDA graph, each replay after an L2-evicting memset."""
+def cold_graph_ms(fn, reps=20, read_flush=False):
+    """Median ms of fn captured in a CUDA graph, each replay after L2 is evicted: by a 256 MB
+    memset, or with read_flush by a reduction that reads 256 MB (no dirty lines left in L2 to
+    write back, as BenchM3's ATTNRT_GPU_BENCH_FLUSH=read)."""
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    evict = (lambda: flush.view(torch.int64).sum()) if read_flush else flush.zero_
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm-up off the capture stream, as torch asks
@@ -67,14 +71,15 @@ def cold_graph_ms(fn, reps=20):
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         fn()
-    return bench(g.replay, reps, before=flush.zero_)
+    return bench(g.replay, reps, before=evict)
 
 
 def m3_dense_decode():
     """Dense decode peers at the shapes of BenchM3 (sparse decode, M3 per rank)."""
     print("device:", torch.cuda.get_device_name(), "torch", torch.__version__)
-    print(f"{'M3 dense decode':24s} {'cudnn ms':>9s} {'flash ms':>9s}  (Hq=16 Hkv=1 d=128 bf16, "
-          "CUDA graph, cold L2, median of 20)")
+    print(f"{'M3 dense decode':24s} {'cudnn ms':>9s} {'flash ms':>9s} {'cudnn read':>10s} "
+          f"{'flash read':>10s}  (Hq=16 Hkv=1 d=128 bf16, CUDA graph, L2 evicted by a memset or "
+          "by a read, median of 20)")
     dev = torch.device("cuda")
     for bsz, ctx in ((1, 65536), (1, 131072), (16, 65536), (64, 65536), (64, 131072)):
         q = torch.randn(bsz, 16, 1, 128, device=dev, dtype=torch.bfloat16)
@@ -82,16 +87,21 @@ def m3_dense_decode():
         v = torch.randn_like(k)
         row = {}
         for name, be in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
-            try:
-                with sdpa_kernel(be):
-                    row[name] = cold_graph_ms(
-                        lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
-            except Exception as e:  # report, do not hide
-                print(f"SDPA {name} failed at {bsz}x{ctx}: {str(e)[:100]}")
+            for read in (False, True):
+                key = name + (" read" if read else "")
+                try:
+                    with sdpa_kernel(be):
+                        row[key] = cold_graph_ms(
+                            lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
+                            read_flush=read)
+                except Exception as e:  # report, do not hide
+                    print(f"SDPA {key} failed at {bsz}x{ctx}: {str(e)[:100]}")
         del q, k, v
         torch.cuda.empty_cache()
-        print(f"{f'{bsz} x {ctx // 1024}k':24s} {row.get('cudnn', float('nan')):9.4f} "
-              f"{row.get('flash', float('nan')):9.4f}")
+        nan = float("nan")
+        print(f"{f'{bsz} x {ctx // 1024}k':24s} {row.get('cudnn', nan):9.4f} "
+              f"{row.get('flash', nan):9.4f} {row.get('cudnn read', nan):10.4f} "
+              f"{row.get('flash read', nan):10.4f}")
     sys.stdout.flush()
 
 
