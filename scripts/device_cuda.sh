@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # On the GPU machine: the GPU test suites (dense, sparse), memcheck over the dense suite, attnrt's
 # own timings, `attnrt doctor` / `attnrt run --device cuda:0 --check`, then the PyTorch side by
-# side. Logs under $OUT. Binaries come from the dev box: carry build/bin/{attnrt,attnrt_gpu_tests,
+# side. Logs under $LOGS (default /tmp/attnrt_device_logs), bundled into $OUT/device_logs.tgz
+# after every step (the device tool returns only a few files a call, and what a cut-off call left
+# under $OUT). Binaries come from the dev box: carry build/bin/{attnrt,attnrt_gpu_tests,
 # attnrt_gpu_sparse_tests,attnrt_gpu_sm90_tests} and build/lib/{libattnrt.so.0.1.0,
 # libattnrt_cuda.so,libattnrt_cuda_sm90.so}.
 # Usage: scripts/device_cuda.sh [build-dir] [steps...]
@@ -16,64 +18,76 @@ B=${1:-build}
 shift || true
 STEPS=${*:-tests sparse sm90 memcheck bench run torch m3dense}
 OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
+LOGS=${LOGS:-/tmp/attnrt_device_logs}
+mkdir -p "$OUT" "$LOGS"
+bundle() { tar czf "$OUT/device_logs.tgz" -C "$LOGS" .; }
+trap bundle EXIT
 ln -sf libattnrt.so.0.1.0 "$B/lib/libattnrt.so.0"
 export LD_LIBRARY_PATH="$PWD/$B/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 has() { [[ " $STEPS " == *" $1 "* ]]; }
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$LOGS/gpu.txt"
 if has tests; then
-  timeout 240 "$B/bin/attnrt_gpu_tests" --gtest_filter=-*Bench* 2>&1 | tee "$OUT/gpu_tests.log" |
+  timeout 240 "$B/bin/attnrt_gpu_tests" --gtest_filter=-*Bench* 2>&1 | tee "$LOGS/gpu_tests.log" |
     grep -vE "^\[ RUN|^\[       OK" | tail -30
   # The same suite on the mma.sync kernels (sm_90 runs dense_extend at d=128 on wgmma otherwise).
   ATTNRT_CUDA_WGMMA=0 timeout 240 "$B/bin/attnrt_gpu_tests" --gtest_filter=-*Bench* 2>&1 |
-    tee "$OUT/gpu_tests_mma.log" | grep -E "device:|PASSED|FAILED|Failure" | tail -10
+    tee "$LOGS/gpu_tests_mma.log" | grep -E "device:|PASSED|FAILED|Failure" | tail -10
+  bundle
 fi
 if has sparse; then
   timeout 240 "$B/bin/attnrt_gpu_sparse_tests" --gtest_filter=-*Bench* 2>&1 |
-    tee "$OUT/sparse_tests.log" | grep -vE "^\[ RUN|^\[       OK" | tail -30
+    tee "$LOGS/sparse_tests.log" | grep -vE "^\[ RUN|^\[       OK" | tail -30
+  bundle
 fi
 if has sm90; then
   timeout 240 "$B/bin/attnrt_gpu_sm90_tests" --gtest_filter=-*Bench* 2>&1 |
-    tee "$OUT/sm90_tests.log" | grep -vE "^\[ RUN|^\[       OK" | tail -30
+    tee "$LOGS/sm90_tests.log" | grep -vE "^\[ RUN|^\[       OK" | tail -30
+  bundle
 fi
 if has memcheck && command -v compute-sanitizer >/dev/null; then
   timeout 200 compute-sanitizer --tool memcheck "$B/bin/attnrt_gpu_tests" \
-    --gtest_filter='*Sweep*:*Graph*:*BeyondL2*' 2>&1 | tee "$OUT/memcheck.log" | tail -4
+    --gtest_filter='*Sweep*:*Graph*:*BeyondL2*' 2>&1 | tee "$LOGS/memcheck.log" | tail -4
+  bundle
 fi
 if has bench; then
   ATTNRT_GPU_BENCH=1 timeout 150 "$B/bin/attnrt_gpu_sparse_tests" --gtest_filter=*Bench* 2>&1 |
-    tee "$OUT/bench_sparse.log" | grep -E "BENCH|FAIL"
+    tee "$LOGS/bench_sparse.log" | grep -E "BENCH|FAIL"
   ATTNRT_GPU_BENCH=1 timeout 120 "$B/bin/attnrt_gpu_sm90_tests" --gtest_filter=*Bench* 2>&1 |
-    tee "$OUT/bench_sm90.log" | grep -E "BENCH|FAIL"
+    tee "$LOGS/bench_sm90.log" | grep -E "BENCH|FAIL"
   # The same sparse shapes through the Runtime, with the fast path and without it.
   ATTNRT_PLUGIN_PATH="$B/lib" timeout 120 "$B/bin/attnrt" bench --device cuda:0 \
-    --suite cuda-sparse 2>&1 | tee "$OUT/bench_cuda_sparse.log" | tail -19
+    --suite cuda-sparse 2>&1 | tee "$LOGS/bench_cuda_sparse.log" | tail -19
   ATTNRT_DISABLE=cuda_sm90 ATTNRT_PLUGIN_PATH="$B/lib" timeout 120 "$B/bin/attnrt" bench \
-    --device cuda:0 --suite cuda-sparse 2>&1 | tee "$OUT/bench_cuda_sparse_generic.log" | tail -19
+    --device cuda:0 --suite cuda-sparse 2>&1 | tee "$LOGS/bench_cuda_sparse_generic.log" | tail -19
+  bundle
 fi
 if has run; then
   export ATTNRT_PLUGIN_PATH="$B/lib"
-  timeout 60 "$B/bin/attnrt" doctor 2>&1 | tee "$OUT/doctor.log" | tail -30
-  timeout 120 "$B/bin/attnrt" run --device cuda:0 --check 2>&1 | tee "$OUT/run.log" | tail -20
+  timeout 60 "$B/bin/attnrt" doctor 2>&1 | tee "$LOGS/doctor.log" | tail -30
+  timeout 120 "$B/bin/attnrt" run --device cuda:0 --check 2>&1 | tee "$LOGS/run.log" | tail -20
+  bundle
 fi
 if has torch; then
   PYTHONUNBUFFERED=1 timeout 300 python3 bench/cuda_side_by_side.py "$B/bin/attnrt" 2>&1 |
-    tee "$OUT/side_by_side.log"
+    tee "$LOGS/side_by_side.log"
+  bundle
 fi
 if has m3dense; then
   PYTHONUNBUFFERED=1 timeout 200 python3 bench/cuda_side_by_side.py --m3 2>&1 |
-    tee "$OUT/m3_dense_decode.log"
+    tee "$LOGS/m3_dense_decode.log"
+  bundle
 fi
 if has m3; then
   export ATTNRT_PLUGIN_PATH="$B/lib"
   timeout ${M3_LIMIT:-400} "$B/bin/attnrt" run --device cuda:0 --model minimax-m3-tp4 \
     --prompt-len 65536 --decode-steps 2 --check --check-rows 4 2>&1 | grep -v "^attnrt run: " |
-    tee "$OUT/run_m3.log" | tail -16
+    tee "$LOGS/run_m3.log" | tail -16
   for off in "ATTNRT_DISABLE=cuda_sm90" "--page-size 64"; do
     echo "== fast path off: $off"
     if [[ $off == ATTNRT_* ]]; then e=("env" "$off"); a=(); else e=(); a=($off); fi
     timeout 90 "${e[@]}" "$B/bin/attnrt" run --device cuda:0 --model minimax-m3-tp4 \
       --prompt-len 8192 --decode-steps 2 --check --check-rows 4 "${a[@]}" 2>&1 |
-      grep -v "^attnrt run: " | tee -a "$OUT/run_m3_fallback.log" | tail -12
+      grep -v "^attnrt run: " | tee -a "$LOGS/run_m3_fallback.log" | tail -12
   done
+  bundle
 fi
