@@ -525,12 +525,14 @@ bool read_flush() {
 // `ops` of one decode step through `plug`, captured in a CUDA graph and replayed `reps` times,
 // each after a 256 MB flush of L2 (cold cache; read_flush() says how); returns the median of the
 // CUDA-event times in ms.
-double graph_step_ms(const attnrt_plugin_v1* plug, const Batch& B, const SparseParams& S,
-                     const Paging& P, int reps, int ops = kGraphStep) {
+double graph_step_ms(const attnrt_plugin_v1* plug, DeviceBatch& D, int reps,
+                     int ops = kGraphStep) {
+  const Batch& B = D.B;
+  const SparseParams& S = D.S;
   const attnrt_problem pi = problem_of(ATTNRT_OP_SPARSE_INDEX_DECODE, B, S, 128);
   const attnrt_problem pa = problem_of(ATTNRT_OP_SPARSE_ATTEND_DECODE, B, S, 128);
   const attnrt_problem pf = problem_of(ATTNRT_OP_SPARSE_DECODE, B, S, 128);
-  attnrt_layout L = layout_of(B, P);
+  attnrt_layout L = layout_of(B, D.P);
   attnrt_plan plan_i = nullptr, plan_a = nullptr;
   if (ops == kGraphFused) {  // plan_i runs the whole step
     EXPECT_EQ(plug->plan(&pf, &L, &plan_i), ATTNRT_OK) << plug->last_error();
@@ -540,7 +542,6 @@ double graph_step_ms(const attnrt_plugin_v1* plug, const Batch& B, const SparseP
     EXPECT_EQ(plug->plan(&pa, &L, &plan_a), ATTNRT_OK) << plug->last_error();
     if (!plan_i || !plan_a) return NAN;
   }
-  DeviceBatch D(B, P, S, ATTNRT_OP_SPARSE_DECODE);
   Dev flush(256u << 20), sink(sizeof(unsigned));
   // kGraphFused: plan_i runs the one call that reads and writes both sets.
   const attnrt_tensors ti = D.tensors(ops == kGraphFused ? ATTNRT_OP_SPARSE_DECODE
@@ -722,10 +723,15 @@ TEST(CudaSm90, BenchM3) {
     const SparseParams S = m3_params();
     const Paging P = make_paging(B, 128, 5);
     double t_fast = 0, t_gen = 0, a_fast = 0, a_gen = 0;
-    const std::vector<int32_t> a = run_index(B, S, P, true, &t_fast, 50);
-    const std::vector<int32_t> g = run_index(B, S, P, true, &t_gen, 50, generic);
-    run_attend(ATTNRT_OP_SPARSE_ATTEND_DECODE, B, S, P, &a, &a_fast, 50);
-    run_attend(ATTNRT_OP_SPARSE_ATTEND_DECODE, B, S, P, &a, &a_gen, 50, generic);
+    // One device copy of the batch for every call below (at 64 x 128k the caches are 6.4 GB:
+    // a copy per call took minutes).
+    DeviceBatch D(B, P, S, ATTNRT_OP_SPARSE_DECODE);
+    std::vector<int32_t> a(D.topk_count()), g(D.topk_count());
+    AttendOut att;
+    run_twice(ATTNRT_OP_SPARSE_INDEX_DECODE, D, nullptr, &t_fast, 50, nullptr, &a, nullptr);
+    run_twice(ATTNRT_OP_SPARSE_INDEX_DECODE, D, nullptr, &t_gen, 50, generic, &g, nullptr);
+    run_twice(ATTNRT_OP_SPARSE_ATTEND_DECODE, D, &a, &a_fast, 50, nullptr, nullptr, &att);
+    run_twice(ATTNRT_OP_SPARSE_ATTEND_DECODE, D, &a, &a_gen, 50, generic, nullptr, &att);
     const double bytes = static_cast<double>(toks) * row * 2;
     std::printf("BENCH sm90 %-16s indexer fast %8.4f ms (%5.2f TB/s) generic %8.4f (%.2fx)  "
                 "attend fast %8.4f generic %8.4f (%.2fx)  sum fast %8.4f generic %8.4f (%.2fx)  "
@@ -733,20 +739,21 @@ TEST(CudaSm90, BenchM3) {
                 s.name, t_fast, bytes / t_fast / 1e9, t_gen, t_gen / t_fast, a_fast, a_gen,
                 a_gen / a_fast, t_fast + a_fast, t_gen + a_gen, (t_gen + a_gen) / (t_fast + a_fast),
                 a == g ? "yes" : "no (near-ties)");
-    const SparseDecodeOut fo = run_sparse_decode(B, S, P);
-    EXPECT_EQ(fo.topk, a) << "sparse_decode selected other blocks than the indexer";
+    std::vector<int32_t> fused_topk(D.topk_count());
+    run_twice(ATTNRT_OP_SPARSE_DECODE, D, nullptr, nullptr, 0, nullptr, &fused_topk, &att);
+    EXPECT_EQ(fused_topk, a) << "sparse_decode selected other blocks than the indexer";
     PhaseTable stale;  // profiling builds: earlier launches' stamps out of the way
     for (const char* t : {"attnrt_phase_sm90_index_decode", "attnrt_phase_sm90_attend_decode",
                           "attnrt_phase_sm90_sparse_decode"})
       read_phases(t, &stale);
-    const double gf = graph_step_ms(g_plugin, B, S, P, 20);
+    const double gf = graph_step_ms(g_plugin, D, 20);
     print_phases(s.name, false);
-    const double gx = graph_step_ms(g_plugin, B, S, P, 20, kGraphFused);
+    const double gx = graph_step_ms(g_plugin, D, 20, kGraphFused);
     print_phases(s.name, true);
-    const double gg = graph_step_ms(generic, B, S, P, 20);
-    const double gi = graph_step_ms(g_plugin, B, S, P, 20, kGraphIndex),
-                 ga = graph_step_ms(g_plugin, B, S, P, 20, kGraphAttend),
-                 g0 = graph_step_ms(g_plugin, B, S, P, 20, kGraphFloor);
+    const double gg = graph_step_ms(generic, D, 20);
+    const double gi = graph_step_ms(g_plugin, D, 20, kGraphIndex),
+                 ga = graph_step_ms(g_plugin, D, 20, kGraphAttend),
+                 g0 = graph_step_ms(g_plugin, D, 20, kGraphFloor);
     std::printf("BENCH sm90 %-16s one step in a CUDA graph, cold L2 by a %s (median of 20): sparse_decode "
                 "%8.4f ms  two launches %8.4f ms  generic %8.4f ms (%.2fx of sparse_decode); "
                 "fast indexer alone %8.4f, attend alone %8.4f; one-memset graph %8.4f\n",
