@@ -505,27 +505,39 @@ void run_twice(int op, DeviceBatch& D, const std::vector<int32_t>* topk_in, doub
   pg->destroy_plan(plan);
 }
 
-// The indexer (decode or extend): its topk, from run_twice.
-std::vector<int32_t> run_index(const Batch& B, const SparseParams& S, const Paging& P, bool decode,
-                               double* ms = nullptr, int timed = 0,
+// The indexer (decode or extend): its topk, from run_twice. The overloads on a DeviceBatch let
+// several calls share one device copy of a batch (D built for an op that reads what they read,
+// e.g. sparse_decode for both indexer and attend).
+std::vector<int32_t> run_index(DeviceBatch& D, bool decode, double* ms = nullptr, int timed = 0,
                                const attnrt_plugin_v1* plug = nullptr) {
   const int op = decode ? ATTNRT_OP_SPARSE_INDEX_DECODE : ATTNRT_OP_SPARSE_INDEX_EXTEND;
-  DeviceBatch D(B, P, S, op);
   std::vector<int32_t> out(D.topk_count());
   run_twice(op, D, nullptr, ms, timed, plug, &out, nullptr);
   return out;
 }
+std::vector<int32_t> run_index(const Batch& B, const SparseParams& S, const Paging& P, bool decode,
+                               double* ms = nullptr, int timed = 0,
+                               const attnrt_plugin_v1* plug = nullptr) {
+  DeviceBatch D(B, P, S,
+                decode ? ATTNRT_OP_SPARSE_INDEX_DECODE : ATTNRT_OP_SPARSE_INDEX_EXTEND);
+  return run_index(D, decode, ms, timed, plug);
+}
 
 // op: sparse_attend_* (on the given topk) or dense_* (topk ignored): out and lse, from run_twice.
-AttendOut run_attend(int op, const Batch& B, const SparseParams& S, const Paging& P,
-                     const std::vector<int32_t>* topk, double* ms = nullptr, int timed = 0,
+AttendOut run_attend(int op, DeviceBatch& D, const std::vector<int32_t>* topk,
+                     double* ms = nullptr, int timed = 0,
                      const attnrt_plugin_v1* plug = nullptr) {
-  DeviceBatch D(B, P, S, op);
   AttendOut r;
   r.o.resize(D.out_count());
   r.lse.resize(D.lse_count());
   run_twice(op, D, DeviceBatch::dense(op) ? nullptr : topk, ms, timed, plug, nullptr, &r);
   return r;
+}
+AttendOut run_attend(int op, const Batch& B, const SparseParams& S, const Paging& P,
+                     const std::vector<int32_t>* topk, double* ms = nullptr, int timed = 0,
+                     const attnrt_plugin_v1* plug = nullptr) {
+  DeviceBatch D(B, P, S, op);
+  return run_attend(op, D, topk, ms, timed, plug);
 }
 
 // sparse_decode (indexer, then attend on its selections, in one call): both its outputs, from
@@ -534,16 +546,20 @@ struct SparseDecodeOut {
   std::vector<int32_t> topk;
   AttendOut att;
 };
-SparseDecodeOut run_sparse_decode(const Batch& B, const SparseParams& S, const Paging& P,
-                                  double* ms = nullptr, int timed = 0,
+SparseDecodeOut run_sparse_decode(DeviceBatch& D, double* ms = nullptr, int timed = 0,
                                   const attnrt_plugin_v1* plug = nullptr) {
-  DeviceBatch D(B, P, S, ATTNRT_OP_SPARSE_DECODE);
   SparseDecodeOut r;
   r.topk.resize(D.topk_count());
   r.att.o.resize(D.out_count());
   r.att.lse.resize(D.lse_count());
   run_twice(ATTNRT_OP_SPARSE_DECODE, D, nullptr, ms, timed, plug, &r.topk, &r.att);
   return r;
+}
+SparseDecodeOut run_sparse_decode(const Batch& B, const SparseParams& S, const Paging& P,
+                                  double* ms = nullptr, int timed = 0,
+                                  const attnrt_plugin_v1* plug = nullptr) {
+  DeviceBatch D(B, P, S, ATTNRT_OP_SPARSE_DECODE);
+  return run_sparse_decode(D, ms, timed, plug);
 }
 
 // Elementwise allclose(atol = rtol = 5e-3) and lse within 1e-3; *worst: the max abs error.

@@ -726,12 +726,10 @@ TEST(CudaSm90, BenchM3) {
     // One device copy of the batch for every call below (at 64 x 128k the caches are 6.4 GB:
     // a copy per call took minutes).
     DeviceBatch D(B, P, S, ATTNRT_OP_SPARSE_DECODE);
-    std::vector<int32_t> a(D.topk_count()), g(D.topk_count());
-    AttendOut att;
-    run_twice(ATTNRT_OP_SPARSE_INDEX_DECODE, D, nullptr, &t_fast, 50, nullptr, &a, nullptr);
-    run_twice(ATTNRT_OP_SPARSE_INDEX_DECODE, D, nullptr, &t_gen, 50, generic, &g, nullptr);
-    run_twice(ATTNRT_OP_SPARSE_ATTEND_DECODE, D, &a, &a_fast, 50, nullptr, nullptr, &att);
-    run_twice(ATTNRT_OP_SPARSE_ATTEND_DECODE, D, &a, &a_gen, 50, generic, nullptr, &att);
+    const std::vector<int32_t> a = run_index(D, true, &t_fast, 50);
+    const std::vector<int32_t> g = run_index(D, true, &t_gen, 50, generic);
+    run_attend(ATTNRT_OP_SPARSE_ATTEND_DECODE, D, &a, &a_fast, 50);
+    run_attend(ATTNRT_OP_SPARSE_ATTEND_DECODE, D, &a, &a_gen, 50, generic);
     const double bytes = static_cast<double>(toks) * row * 2;
     std::printf("BENCH sm90 %-16s indexer fast %8.4f ms (%5.2f TB/s) generic %8.4f (%.2fx)  "
                 "attend fast %8.4f generic %8.4f (%.2fx)  sum fast %8.4f generic %8.4f (%.2fx)  "
@@ -739,9 +737,8 @@ TEST(CudaSm90, BenchM3) {
                 s.name, t_fast, bytes / t_fast / 1e9, t_gen, t_gen / t_fast, a_fast, a_gen,
                 a_gen / a_fast, t_fast + a_fast, t_gen + a_gen, (t_gen + a_gen) / (t_fast + a_fast),
                 a == g ? "yes" : "no (near-ties)");
-    std::vector<int32_t> fused_topk(D.topk_count());
-    run_twice(ATTNRT_OP_SPARSE_DECODE, D, nullptr, nullptr, 0, nullptr, &fused_topk, &att);
-    EXPECT_EQ(fused_topk, a) << "sparse_decode selected other blocks than the indexer";
+    const SparseDecodeOut fo = run_sparse_decode(D);
+    EXPECT_EQ(fo.topk, a) << "sparse_decode selected other blocks than the indexer";
     PhaseTable stale;  // profiling builds: earlier launches' stamps out of the way
     for (const char* t : {"attnrt_phase_sm90_index_decode", "attnrt_phase_sm90_attend_decode",
                           "attnrt_phase_sm90_sparse_decode"})
