@@ -8,6 +8,7 @@
 // contiguous.
 // Every test skips without a CUDA device; on a device other than sm_90 only the probe test runs.
 // ATTNRT_GPU_BENCH=1 times it beside the generic cuda plugin on the M3 decode and extend shapes.
+#include <chrono>
 #include <sstream>
 #include <string>
 
@@ -669,12 +670,30 @@ TEST(CudaSm90, BenchM3) {
       if (!part.empty() && std::string(name).find(part) != std::string::npos) return true;
     return false;
   };
+  // ATTNRT_GPU_BENCH_GRAPHS: time only the named graphs (comma-separated, of step, fused,
+  // generic, index, attend, floor); the others print nan.
+  const char* graphs = std::getenv("ATTNRT_GPU_BENCH_GRAPHS");
+  auto graphs_selected = [&](const char* name) {
+    if (!graphs) return true;
+    std::istringstream parts(graphs);
+    for (std::string part; std::getline(parts, part, ',');)
+      if (part == name) return true;
+    return false;
+  };
   const bool recent = std::getenv("ATTNRT_GPU_BENCH_RECENT") != nullptr;
   const bool windows = std::getenv("ATTNRT_GPU_BENCH_WINDOWS") != nullptr;
   if (recent) std::printf("BENCH sm90 selections: the 16 most recent blocks of every request\n");
   if (windows) std::printf("BENCH sm90 index keys: a random window of the pattern per block\n");
+  // Progress on stderr (unbuffered), seconds since the test began: the large shapes take a
+  // while on the host and through the generic plugin.
+  const auto t0 = std::chrono::steady_clock::now();
+  auto progress = [&](const char* shape, const char* what) {
+    const std::chrono::duration<double> dt = std::chrono::steady_clock::now() - t0;
+    std::fprintf(stderr, "[BenchM3 %7.1f s] %s: %s\n", dt.count(), shape, what);
+  };
   for (const Shape& s : shapes) {
     if (!selected(s.name)) continue;
+    progress(s.name, "building the batch on the host");
     // Tile a random 1024-token pattern over the context (host generation would take minutes).
     Batch B = make_batch(ATTNRT_BF16, 16, 1, 1, 128, 128, std::vector<int32_t>(s.n, 1),
                          std::vector<int32_t>(s.n, 1024), 1);
@@ -725,9 +744,12 @@ TEST(CudaSm90, BenchM3) {
     double t_fast = 0, t_gen = 0, a_fast = 0, a_gen = 0;
     // One device copy of the batch for every call below (at 64 x 128k the caches are 6.4 GB:
     // a copy per call took minutes).
+    progress(s.name, "uploading");
     DeviceBatch D(B, P, S, ATTNRT_OP_SPARSE_DECODE);
+    progress(s.name, "timing the indexers");
     const std::vector<int32_t> a = run_index(D, true, &t_fast, 50);
     const std::vector<int32_t> g = run_index(D, true, &t_gen, 50, generic);
+    progress(s.name, "timing the attends");
     run_attend(ATTNRT_OP_SPARSE_ATTEND_DECODE, D, &a, &a_fast, 50);
     run_attend(ATTNRT_OP_SPARSE_ATTEND_DECODE, D, &a, &a_gen, 50, generic);
     const double bytes = static_cast<double>(toks) * row * 2;
@@ -737,20 +759,27 @@ TEST(CudaSm90, BenchM3) {
                 s.name, t_fast, bytes / t_fast / 1e9, t_gen, t_gen / t_fast, a_fast, a_gen,
                 a_gen / a_fast, t_fast + a_fast, t_gen + a_gen, (t_gen + a_gen) / (t_fast + a_fast),
                 a == g ? "yes" : "no (near-ties)");
+    std::fflush(stdout);
+    progress(s.name, "sparse_decode once");
     const SparseDecodeOut fo = run_sparse_decode(D);
     EXPECT_EQ(fo.topk, a) << "sparse_decode selected other blocks than the indexer";
     PhaseTable stale;  // profiling builds: earlier launches' stamps out of the way
     for (const char* t : {"attnrt_phase_sm90_index_decode", "attnrt_phase_sm90_attend_decode",
                           "attnrt_phase_sm90_sparse_decode"})
       read_phases(t, &stale);
-    const double gf = graph_step_ms(g_plugin, D, 20);
+    auto graph = [&](const char* name, const attnrt_plugin_v1* plug, int ops) {
+      if (!graphs_selected(name)) return static_cast<double>(NAN);
+      progress(s.name, (std::string("graph ") + name).c_str());
+      return graph_step_ms(plug, D, 20, ops);
+    };
+    const double gf = graph("step", g_plugin, kGraphStep);
     print_phases(s.name, false);
-    const double gx = graph_step_ms(g_plugin, D, 20, kGraphFused);
+    const double gx = graph("fused", g_plugin, kGraphFused);
     print_phases(s.name, true);
-    const double gg = graph_step_ms(generic, D, 20);
-    const double gi = graph_step_ms(g_plugin, D, 20, kGraphIndex),
-                 ga = graph_step_ms(g_plugin, D, 20, kGraphAttend),
-                 g0 = graph_step_ms(g_plugin, D, 20, kGraphFloor);
+    const double gg = graph("generic", generic, kGraphStep);
+    const double gi = graph("index", g_plugin, kGraphIndex),
+                 ga = graph("attend", g_plugin, kGraphAttend),
+                 g0 = graph("floor", g_plugin, kGraphFloor);
     std::printf("BENCH sm90 %-16s one step in a CUDA graph, cold L2 by a %s (median of 20): sparse_decode "
                 "%8.4f ms  two launches %8.4f ms  generic %8.4f ms (%.2fx of sparse_decode); "
                 "fast indexer alone %8.4f, attend alone %8.4f; one-memset graph %8.4f\n",
