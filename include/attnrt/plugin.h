@@ -137,7 +137,8 @@ typedef struct attnrt_plugin_v1 {
    * (e.g. "head_dim 96 not supported (64, 128, 256)"). For an op the plugin never serves, the
    * reason starts with "op not served" (tools list such skips quietly). */
   int32_t (*probe)(const attnrt_problem* problem);
-  /* Required. Builds a plan for this problem and layout. May allocate and do host work. */
+  /* Required. Builds a plan for this problem and layout. May allocate and do host work; the
+   * device data it writes is in place when it returns (a launch on any stream sees it). */
   int32_t (*plan)(const attnrt_problem* problem, const attnrt_layout* layout, attnrt_plan* out);
   /* Required. Runs a plan on tensors that match its problem and layout (the host checked).
    * Writes every element of the outputs, or returns non-OK before writing any of them. `stream`
@@ -155,8 +156,10 @@ typedef struct attnrt_plugin_v1 {
 
   /* Optional (NULL: not supported). Refreshes a decode plan in place for a new layout with the
    * same number of requests (new kv_len and page ids), keeping every device address the plan
-   * uses, so that a graph captured over run() replays with the new lengths. Returns
-   * ATTNRT_UNAVAILABLE when the plan cannot absorb the change (then the host re-plans). */
+   * uses, so that a graph captured over run() replays with the new lengths. On a GPU it first
+   * waits for the device to finish work already enqueued (which may read the plan) and returns
+   * with the new values in place. Returns ATTNRT_UNAVAILABLE when the plan cannot absorb the
+   * change (then the host re-plans). */
   int32_t (*update_plan)(attnrt_plan plan, const attnrt_layout* layout);
 
   /* Preferred page size for this device (0: no preference) and a short note for doctor.
@@ -164,7 +167,8 @@ typedef struct attnrt_plugin_v1 {
   int32_t (*preferred_page_size)(attnrt_device device, int32_t* page_size);
 
   /* Device memory, required for plugins serving non-host devices, NULL otherwise.
-   * Copies are synchronous with respect to the host. */
+   * Copies are synchronous with respect to the host: on return the data is in place for a
+   * launch on any stream. */
   int32_t (*mem_alloc)(attnrt_device device, size_t bytes, void** out);
   int32_t (*mem_free)(attnrt_device device, void* ptr);
   int32_t (*copy_to_device)(attnrt_device device, void* dst, const void* src, size_t bytes);

@@ -352,6 +352,36 @@ TEST(CudaSm90, SparseDecodeStridedNearWinners) {
   check_sparse_decode(B, m3_params(), make_paging(B, 128, 41), "strided near-winners");
 }
 
+// Fault injection: ATTNRT_SM90_FAULT=barrier makes a decode plan start its requests' launch
+// counters off by one, so one CTA of each request waits at the top-16 barrier for an arrival that
+// never comes. The watchdog must turn that into a failed launch whose error says where, within
+// its 10 s, instead of a hang. Runs in a child process (the trap ends the CUDA context).
+TEST(CudaSm90DeathTest, BrokenBarrierFailsInsteadOfHanging) {
+  REQUIRE_HOPPER();
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  auto broken_step = [] {
+    setenv("ATTNRT_SM90_FAULT", "barrier", 1);
+    const Batch B = make_batch(ATTNRT_BF16, 16, 1, 1, 128, 128, {1}, {8192}, 5, true, true);
+    const SparseParams S = m3_params();
+    const Paging P = make_paging(B, 128, 3);
+    DeviceBatch D(B, P, S, ATTNRT_OP_SPARSE_DECODE);
+    attnrt_problem p = problem_of(ATTNRT_OP_SPARSE_DECODE, B, S, 128);
+    attnrt_layout L = layout_of(B, P);
+    attnrt_plan plan = nullptr;
+    if (g_plugin->plan(&p, &L, &plan) != ATTNRT_OK) {
+      std::fprintf(stderr, "plan failed: %s\n", g_plugin->last_error());
+      std::exit(3);
+    }
+    const attnrt_tensors ts = D.tensors(ATTNRT_OP_SPARSE_DECODE);
+    int32_t s = g_plugin->run(plan, &ts, nullptr);
+    if (s == ATTNRT_OK) s = g_plugin->synchronize({ATTNRT_DEVICE_CUDA, 0});
+    std::fprintf(stderr, "status %d: %s\n", s, g_plugin->last_error());
+    std::exit(s == ATTNRT_INTERNAL ? 0 : 4);
+  };
+  EXPECT_EXIT(broken_step(), ::testing::ExitedWithCode(0),
+              "cuda_sm90 watchdog: request 0 CTA [0-9]+ waited over 10 s");
+}
+
 // Winners that cluster: a CTA ranks several of the 16 (it keeps its best, or every one goes to
 // the CTA of its rank), or a CTA's rank is kept by its ranker. Requests cycle through three
 // patterns: a run of 16 blocks, the first 16 blocks, every other block of a range. 3 requests

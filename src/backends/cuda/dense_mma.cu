@@ -654,12 +654,14 @@ int32_t update(attnrt_plan plan, const attnrt_layout* L, char* err, size_t cap) 
       return ATTNRT_UNAVAILABLE;
     }
   DK_CK(cudaSetDevice(pl->problem.device.index));
+  DK_CK(attnrt_cuda_common::quiesce_before_rewrite());  // no launch straddles the rewrite
   DK_CK(cudaMemcpy(pl->d_kv_len, L->kv_len, sizeof(int32_t) * n, cudaMemcpyHostToDevice));
   DK_CK(cudaMemcpy(pl->d_page_indptr, L->page_indptr, sizeof(int32_t) * (n + 1),
                    cudaMemcpyHostToDevice));
   if (total_pages > 0)
     DK_CK(cudaMemcpy(pl->d_page_ids, L->page_ids, sizeof(int32_t) * total_pages,
                      cudaMemcpyHostToDevice));
+  DK_CK(attnrt_cuda_common::land_host_writes());
   return ATTNRT_OK;
 }
 

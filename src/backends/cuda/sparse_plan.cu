@@ -283,6 +283,7 @@ int32_t update(attnrt_plan plan, const attnrt_layout* L, char* err, size_t cap) 
     return say(err, cap, ATTNRT_UNAVAILABLE, "update_plan: %d pages exceed the plan's capacity %d",
                total_pages, pl->page_capacity);
   SCK(cudaSetDevice(p.device.index));
+  SCK(attnrt_cuda_common::quiesce_before_rewrite());  // no launch straddles the rewrite
   SCK(cudaMemcpy(pl->d_kv_len, L->kv_len, sizeof(int32_t) * n, cudaMemcpyHostToDevice));
   SCK(cudaMemcpy(pl->d_page_indptr, L->page_indptr, sizeof(int32_t) * (n + 1),
                  cudaMemcpyHostToDevice));
@@ -294,6 +295,7 @@ int32_t update(attnrt_plan plan, const attnrt_layout* L, char* err, size_t cap) 
     for (int b = 0; b < n; ++b) pos[b] = L->kv_len[b] - 1;
     SCK(cudaMemcpy(pl->d_row_pos, pos.data(), sizeof(int32_t) * n, cudaMemcpyHostToDevice));
   }
+  SCK(attnrt_cuda_common::land_host_writes());
   return ATTNRT_OK;
 }
 

@@ -14,6 +14,17 @@
 
 namespace attnrt_cuda_common {
 
+// cudaMemcpy from pageable memory and cudaMemset run on the legacy default stream and may still
+// be in flight when they return, and a caller's non-blocking stream does not wait for the legacy
+// one: host writes that a later launch on any stream must see (plan metadata, counters, a copy
+// to the device) end with this.
+inline cudaError_t land_host_writes() { return cudaStreamSynchronize(cudaStreamLegacy); }
+
+// update_plan rewrites a plan's device metadata in place while launches already enqueued on any
+// stream (a replayed graph) may still read it: wait for the device first, so that no launch sees
+// half of the old layout and half of the new.
+inline cudaError_t quiesce_before_rewrite() { return cudaDeviceSynchronize(); }
+
 struct DeviceInfo {
   int major = 0, minor = 0, sms = 0;
   int64_t l2_bytes = 0;
@@ -64,7 +75,10 @@ class DeviceRuntime {
                     size_t cap) const {
     if (int32_t s = check(d, err, cap); s != ATTNRT_OK) return s;
     return call(err, cap, "cudaMemcpy to device", d,
-                [&] { return cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice); });
+                [&] {
+                  const cudaError_t e = cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice);
+                  return e == cudaSuccess ? land_host_writes() : e;
+                });
   }
   int32_t to_host(attnrt_device d, void* dst, const void* src, size_t bytes, char* err,
                   size_t cap) const {
@@ -139,6 +153,7 @@ template <typename T>
 int32_t upload(T** dst, const T* src, size_t count, size_t capacity, char* err, size_t cap) {
   cudaError_t e = cudaMalloc(reinterpret_cast<void**>(dst), sizeof(T) * std::max<size_t>({count, capacity, 1}));
   if (e == cudaSuccess && count > 0) e = cudaMemcpy(*dst, src, sizeof(T) * count, cudaMemcpyHostToDevice);
+  if (e == cudaSuccess && count > 0) e = land_host_writes();
   if (e == cudaSuccess) return ATTNRT_OK;
   return DeviceRuntime::say(err, cap, ATTNRT_INTERNAL, "upload of %zu elements: %s (%s)", count,
                             cudaGetErrorName(e), cudaGetErrorString(e));

@@ -26,6 +26,8 @@ constexpr int kPhaseSlots = 16;
 #ifdef ATTNRT_PHASE_TRACE
 #include <cuda_runtime.h>
 
+#include "cuda_common/spin_wait.cuh"
+
 #define ATTNRT_PHASE_TABLE(table, names)                                                         \
   __device__ uint64_t table[attnrt_cuda_common::kPhaseCtas][attnrt_cuda_common::kPhaseSlots];     \
   extern "C" __attribute__((visibility("default"))) int attnrt_phase_##table(                  \
@@ -47,9 +49,7 @@ constexpr int kPhaseSlots = 16;
 #define ATTNRT_PHASE(table, slot)                                                \
   do {                                                                           \
     if (threadIdx.x == 0 && blockIdx.x < attnrt_cuda_common::kPhaseCtas) {       \
-      uint64_t t_;                                                               \
-      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t_));                     \
-      table[blockIdx.x][slot] = t_;                                              \
+      table[blockIdx.x][slot] = attnrt_cuda_common::globaltimer_ns();            \
     }                                                                            \
   } while (0)
 #else

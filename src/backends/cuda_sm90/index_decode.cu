@@ -10,7 +10,9 @@
 // of the request's scores (ties to the lowest ids, forced init/local blocks, NaN -> -1e30) and
 // writes those of rank < 16 to their slot; the last CTA to finish puts the 16 slots in ascending
 // id order. Padding is -1. The request's counters only grow, so the next launch, or a captured
-// graph's replay, needs no reset.
+// graph's replay, needs no reset. Every wait for the request's peers is watched
+// (cuda_common/spin_wait.cuh): one still waiting after 10 s records where in the host-visible
+// WaitRecord and traps, so a broken barrier fails the launch instead of hanging the device.
 //
 // Fused with the attend (launch_sparse_decode, op sparse_decode; decode_block_attend.cuh): each
 // top-16 block is attended by one CTA of its request. CTA p attends ranks p, p + P, ... (P CTAs a
@@ -39,6 +41,7 @@
 #include "cuda_common/mbarrier.cuh"
 #include "cuda_common/mma_sm80.cuh"
 #include "cuda_common/phase_trace.cuh"
+#include "cuda_common/spin_wait.cuh"
 #include "decode_block_attend.cuh"
 #include "index_decode.h"
 
@@ -93,6 +96,35 @@ __device__ __forceinline__ uint64_t atom_add(uint64_t* p, uint64_t v) {
   return atomicAdd(reinterpret_cast<unsigned long long*>(p), static_cast<unsigned long long>(v));
 }
 
+// One CTA of the launch writes the wait record (index_decode.h).
+__device__ unsigned g_wait_record_claimed;
+
+// A wait for the request's peers outlasted the watchdog (a bug: co-resident peers arrive within
+// milliseconds). The first CTA to get here records where (which wait, the target, the request's
+// counters and words) in host memory; every such CTA then traps, so the launch fails with an
+// error instead of spinning forever.
+__device__ __noinline__ void give_up_wait(WaitRecord* rec, int32_t wait, int b, int part, int rank,
+                                          uint64_t target, const uint64_t* sync) {
+  if (rec != nullptr && atomicCAS(&g_wait_record_claimed, 0u, 1u) == 0u) {
+    volatile WaitRecord* v = rec;
+    v->wait = wait;
+    v->request = b;
+    v->cta = part;
+    v->rank = rank;
+    v->target = target;
+    for (int i = 0; i < kSyncWords; ++i) v->sync[i] = ld_acquire(sync + i);
+    __threadfence_system();
+    v->ready = 1u;
+    __threadfence_system();
+  } else if (rec != nullptr) {  // the trap would end the launch before the record is written
+    const uint64_t t0 = attnrt_cuda_common::globaltimer_ns();
+    while (static_cast<volatile WaitRecord*>(rec)->ready == 0u &&
+           attnrt_cuda_common::globaltimer_ns() - t0 < 1000000)
+      __nanosleep(1000);
+  }
+  __trap();
+}
+
 // Dot product of 8 16-bit values with 8 floats.
 template <typename T>
 __device__ __forceinline__ float dot8(uint4 v, const float* q) {
@@ -144,7 +176,12 @@ __device__ __forceinline__ int attend_selected(const SparseDecodeArgs& a, int b,
       c = -1;  // listed first
     } else if (c < 0) {
       uint64_t w;
-      while (static_cast<uint32_t>((w = ld_acquire(published + r)) >> 32) != tag) __nanosleep(20);
+      attnrt_cuda_common::SpinWatch watch;
+      while (static_cast<uint32_t>((w = ld_acquire(published + r)) >> 32) != tag) {
+        __nanosleep(20);
+        if (watch.expired())
+          give_up_wait(a.wait_record, kWaitRankWord, b, part, r, tag, published - kRankWords);
+      }
       c = static_cast<int>(static_cast<uint32_t>(w));  // -1: its ranker attends it
     }
     s_help[tid] = c;
@@ -422,7 +459,11 @@ __global__ void __launch_bounds__(kThreads, kFused ? 3 : 1) index_decode_kernel(
       // trip after the last arrival, no generation to flip. Polled gently: up to a few hundred
       // threads of the grid spin while others still stream.
       red_release_add(&sync[0], 1);
-      while (ld_acquire(&sync[0]) < target) __nanosleep(20);
+      attnrt_cuda_common::SpinWatch watch;
+      while (ld_acquire(&sync[0]) < target) {
+        __nanosleep(20);
+        if (watch.expired()) give_up_wait(a.wait_record, kWaitArrivals, b, part, -1, target, sync);
+      }
     }
     __syncthreads();
     INDEX_PHASE(3);
@@ -499,8 +540,13 @@ __global__ void __launch_bounds__(kThreads, kFused ? 3 : 1) index_decode_kernel(
     // A slot holder waits for every CTA of the request (co-resident: a cooperative launch, or
     // alone), then merges its share of the heads: the merge is spread over up to 16 CTAs
     // instead of 16 heads' loads in one.
-    if (tid == 0)
-      while (ld_acquire(&sync[1]) < target) __nanosleep(20);
+    if (tid == 0) {
+      attnrt_cuda_common::SpinWatch watch;
+      while (ld_acquire(&sync[1]) < target) {
+        __nanosleep(20);
+        if (watch.expired()) give_up_wait(a.wait_record, kWaitDone, b, part, -1, target, sync);
+      }
+    }
     __syncthreads();
     INDEX_PHASE(8);
     // Rank 0's holder puts topk in id order; its ids load along with the merge's loads.

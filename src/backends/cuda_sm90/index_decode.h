@@ -35,9 +35,22 @@ struct IndexArgsBase {
 constexpr int kRankWords = 3;
 constexpr int kSyncWords = kRankWords + kTopK;
 
+// Where a wait for a request's peers gave up (cuda_common/spin_wait.cuh's watchdog): written
+// once, by the first CTA whose wait expired, into host memory that the host reads after the
+// launch failed.
+struct WaitRecord {
+  uint32_t ready;  // 1 once the fields below are written
+  int32_t wait;    // kWaitArrivals, kWaitRankWord or kWaitDone
+  int32_t request, cta, rank;  // rank: the published word waited for (kWaitRankWord)
+  uint64_t target;             // the count (or word tag) waited for
+  uint64_t sync[kSyncWords];   // the request's counters and words when it gave up
+};
+enum : int32_t { kWaitArrivals = 0, kWaitRankWord = 1, kWaitDone = 2 };
+
 // Decode: T = n, scores [n, block_capacity].
 struct IndexDecodeArgs : IndexArgsBase {
   uint64_t* sync;          // [n][kSyncWords] counters, zero before the plan's first launch
+  WaitRecord* wait_record; // device address of host memory; null: give up without a record
   int n, block_capacity, blocks_per_cta, ctas_per_request;
 };
 

@@ -25,7 +25,10 @@
 
 #include <algorithm>
 #include <cstdarg>
+#include <cstdlib>
 #include <cstdio>
+#include <cstring>
+#include <mutex>
 #include <new>
 #include <string>
 #include <vector>
@@ -62,12 +65,62 @@ int32_t fail(int32_t status, const char* fmt, ...) {
   return status;
 }
 
+// The decode indexer's wait record (index_decode.h), in mapped host memory shared by every plan
+// of the process: it stays readable after a trap has ended the CUDA context.
+attnrt_cuda_sm90::WaitRecord* g_wait_record = nullptr;  // host address; null: none
+attnrt_cuda_sm90::WaitRecord* g_wait_record_dev = nullptr;
+
+// The device address of the wait record, allocated on first use (nullptr if that fails: the
+// watchdog then traps without a record).
+attnrt_cuda_sm90::WaitRecord* wait_record() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    void* h = nullptr;
+    void* d = nullptr;
+    if (cudaHostAlloc(&h, sizeof(attnrt_cuda_sm90::WaitRecord),
+                      cudaHostAllocMapped | cudaHostAllocPortable) != cudaSuccess) {
+      cudaGetLastError();  // not sticky: clear it
+      return;
+    }
+    std::memset(h, 0, sizeof(attnrt_cuda_sm90::WaitRecord));
+    if (cudaHostGetDevicePointer(&d, h, 0) != cudaSuccess) {
+      cudaGetLastError();
+      cudaFreeHost(h);
+      return;
+    }
+    g_wait_record = static_cast<attnrt_cuda_sm90::WaitRecord*>(h);
+    g_wait_record_dev = static_cast<attnrt_cuda_sm90::WaitRecord*>(d);
+  });
+  return g_wait_record_dev;
+}
+
+// A failing status gets the watchdog's finding appended to the message once a decode indexer
+// gave up a wait (the launch then trapped, and every later CUDA call fails).
+int32_t with_wait_note(int32_t status) {
+  const volatile attnrt_cuda_sm90::WaitRecord* r = g_wait_record;
+  if (status == ATTNRT_OK || r == nullptr || r->ready != 1u) return status;
+  static const char* const kWhat[] = {"its peers at the top-16 barrier",
+                                      "the published block of a rank",
+                                      "its peers' partials"};
+  const std::string msg = g_error;
+  std::snprintf(g_error, sizeof g_error,
+                "%s; cuda_sm90 watchdog: request %d CTA %d waited over 10 s for %s (rank %d, "
+                "target %llu; arrivals %llu, done %llu, launches %llu): a bug in the fused "
+                "decode's barrier, please report this line",
+                msg.c_str(), r->request, r->cta, kWhat[r->wait < 0 || r->wait > 2 ? 0 : r->wait],
+                r->rank, static_cast<unsigned long long>(r->target),
+                static_cast<unsigned long long>(r->sync[0]),
+                static_cast<unsigned long long>(r->sync[1]),
+                static_cast<unsigned long long>(r->sync[2]));
+  return status;
+}
+
 #define CK(call)                                                                          \
   do {                                                                                    \
     cudaError_t e_ = (call);                                                              \
     if (e_ != cudaSuccess)                                                                \
-      return fail(ATTNRT_INTERNAL, "%s: %s (%s)", #call, cudaGetErrorName(e_),            \
-                  cudaGetErrorString(e_));                                                \
+      return with_wait_note(fail(ATTNRT_INTERNAL, "%s: %s (%s)", #call,                   \
+                                 cudaGetErrorName(e_), cudaGetErrorString(e_)));          \
   } while (0)
 
 attnrt_cuda_common::DeviceRuntime g_rt("cuda_sm90");
@@ -296,6 +349,15 @@ int32_t plan_impl(const attnrt_problem* p, const attnrt_layout* L, Sm90Plan* pl)
     const size_t words = sizeof(uint64_t) * attnrt_cuda_sm90::kSyncWords * std::max(n, 1);
     CK(cudaMalloc(reinterpret_cast<void**>(&pl->d_sync), words));
     CK(cudaMemset(pl->d_sync, 0, words));
+    // Fault injection for the watchdog's test: every request's launch count off by one, so the
+    // CTAs of a launch disagree on the arrivals they wait for (one waits forever).
+    if (const char* f = std::getenv("ATTNRT_SM90_FAULT"); f && std::strcmp(f, "barrier") == 0) {
+      std::vector<uint64_t> w(words / sizeof(uint64_t), 0);
+      for (int b = 0; b < n; ++b) w[static_cast<size_t>(b) * attnrt_cuda_sm90::kSyncWords + 2] = 1;
+      CK(cudaMemcpy(pl->d_sync, w.data(), words, cudaMemcpyHostToDevice));
+    }
+    CK(attnrt_cuda_common::land_host_writes());  // zero before any stream's first launch
+    wait_record();  // here, not in run(): run() allocates nothing (graph capture)
     CK(cudaMalloc(reinterpret_cast<void**>(&pl->d_scores),
                   sizeof(float) * std::max<size_t>(1, static_cast<size_t>(n) * pl->block_capacity)));
   }
@@ -375,6 +437,7 @@ int32_t index_args(const Sm90Plan& pl, const attnrt_tensors* t,
 // The decode indexer's plan fields.
 void index_decode_args(const Sm90Plan& pl, attnrt_cuda_sm90::IndexDecodeArgs* a) {
   a->sync = pl.d_sync;
+  a->wait_record = g_wait_record_dev;  // allocated by plan_impl
   a->n = pl.n;
   a->block_capacity = pl.block_capacity;
   a->blocks_per_cta = pl.blocks_per_cta;
@@ -502,12 +565,16 @@ int32_t p_update_plan(attnrt_plan plan, const attnrt_layout* L) {
     if (int32_t s = check_layout(L, pl->block_capacity, pl->page_capacity); s != ATTNRT_OK)
       return s;
     CK(cudaSetDevice(pl->problem.device.index));
+    // Every CTA of a request must read the same kv_len and pages, or their ranks disagree and a
+    // holder waits for a rank nobody publishes: no launch may straddle the rewrite.
+    CK(attnrt_cuda_common::quiesce_before_rewrite());
     CK(cudaMemcpy(pl->d_kv_len, L->kv_len, sizeof(int32_t) * n, cudaMemcpyHostToDevice));
     CK(cudaMemcpy(pl->d_page_indptr, L->page_indptr, sizeof(int32_t) * (n + 1),
                   cudaMemcpyHostToDevice));
     if (L->page_indptr[n] > 0)
       CK(cudaMemcpy(pl->d_page_ids, L->page_ids, sizeof(int32_t) * L->page_indptr[n],
                     cudaMemcpyHostToDevice));
+    CK(attnrt_cuda_common::land_host_writes());
     return ATTNRT_OK;
   } catch (...) {
     return fail(ATTNRT_INTERNAL, "exception in cuda_sm90 update_plan");
@@ -531,9 +598,11 @@ int32_t p_copy_to_device(attnrt_device d, void* dst, const void* src, size_t byt
   return g_rt.to_device(d, dst, src, bytes, g_error, sizeof g_error);
 }
 int32_t p_copy_to_host(attnrt_device d, void* dst, const void* src, size_t bytes) {
-  return g_rt.to_host(d, dst, src, bytes, g_error, sizeof g_error);
+  return with_wait_note(g_rt.to_host(d, dst, src, bytes, g_error, sizeof g_error));
 }
-int32_t p_synchronize(attnrt_device d) { return g_rt.synchronize(d, g_error, sizeof g_error); }
+int32_t p_synchronize(attnrt_device d) {
+  return with_wait_note(g_rt.synchronize(d, g_error, sizeof g_error));
+}
 int32_t p_describe_device(attnrt_device d, char* buf, size_t cap) {
   if (int32_t s = check_device(d); s != ATTNRT_OK) return s;
   const attnrt_cuda_common::DeviceInfo& i = g_rt.info(d.index);
