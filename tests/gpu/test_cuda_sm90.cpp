@@ -352,6 +352,67 @@ TEST(CudaSm90, SparseDecodeStridedNearWinners) {
   check_sparse_decode(B, m3_params(), make_paging(B, 128, 41), "strided near-winners");
 }
 
+// Many launches of one sparse_decode plan at batch 64 (6 CTAs a request, each attending two or
+// three ranks handed on by their rankers), queued and replayed in a CUDA graph on a non-blocking
+// stream after an L2-evicting read: the shape at which a graph of this op hung on the H100 and
+// the H200 (2026-12-06), intermittently. Every launch must finish (the watchdog turns a hang into
+// an error after 10 s), and every launch must write the same outputs, those of the reference.
+TEST(CudaSm90, SparseDecodeManyLaunchesAtBatch64) {
+  REQUIRE_HOPPER();
+  const int n = 64, launches = 300;
+  const Batch B = make_batch(ATTNRT_BF16, 16, 1, 1, 128, 128, std::vector<int32_t>(n, 1),
+                             std::vector<int32_t>(n, 4096), 64, true, true);
+  const SparseParams S = m3_params();
+  const Paging P = make_paging(B, 128, 9);
+  DeviceBatch D(B, P, S, ATTNRT_OP_SPARSE_DECODE);
+  const SparseDecodeOut first = run_sparse_decode(D);  // checked against the reference below
+  attnrt_problem p = problem_of(ATTNRT_OP_SPARSE_DECODE, B, S, 128);
+  attnrt_layout L = layout_of(B, P);
+  attnrt_plan plan = nullptr;
+  ASSERT_EQ(g_plugin->plan(&p, &L, &plan), ATTNRT_OK) << g_plugin->last_error();
+  const attnrt_tensors ts = D.tensors(ATTNRT_OP_SPARSE_DECODE);
+  for (int i = 0; i < launches; ++i) ASSERT_EQ(g_plugin->run(plan, &ts, nullptr), ATTNRT_OK);
+  ASSERT_EQ(g_plugin->synchronize({ATTNRT_DEVICE_CUDA, 0}), ATTNRT_OK) << g_plugin->last_error();
+  EXPECT_EQ(D.topk_host(), first.topk) << "queued launches";
+  Dev flush(256u << 20), sink(sizeof(unsigned));
+  cudaStream_t st;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), cudaSuccess);
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  ASSERT_EQ(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+  const int32_t r = g_plugin->run(plan, &ts, st);
+  ASSERT_EQ(cudaStreamEndCapture(st, &graph), cudaSuccess);
+  ASSERT_EQ(r, ATTNRT_OK) << g_plugin->last_error();
+  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+  for (int i = 0; i < launches; ++i) {
+    ASSERT_EQ(l2_read_flush(flush.p, flush.bytes, static_cast<unsigned*>(sink.p), st), cudaSuccess);
+    ASSERT_EQ(cudaGraphLaunch(exec, st), cudaSuccess);
+  }
+  const cudaError_t e = cudaStreamSynchronize(st);
+  ASSERT_EQ(e, cudaSuccess) << cudaGetErrorString(e) << "; "
+                            << (g_plugin->synchronize({ATTNRT_DEVICE_CUDA, 0}) == ATTNRT_OK
+                                    ? ""
+                                    : g_plugin->last_error());
+  D.poison();
+  ASSERT_EQ(cudaGraphLaunch(exec, st), cudaSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(st), cudaSuccess);
+  EXPECT_EQ(D.topk_host(), first.topk) << "graph replays";
+  const AttendOut last = D.att_host();
+  EXPECT_TRUE(last.o == first.att.o) << "graph replays: out not bit-identical to the first launch";
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(st);
+  g_plugin->destroy_plan(plan);
+  int ties = 0;
+  check_topk(B, S, first.topk, ref_scores(B, S), &ties);
+  std::vector<double> ro, rl;
+  ref_attend(B, S, &first.topk, true, ro, rl);
+  double worst = 0;
+  expect_close(B, S, first.att, ro, rl, &worst);
+  std::printf("sm90 sparse_decode 64 x 4k, %d queued + %d graph launches: max abs err %.2e\n",
+              launches, launches, worst);
+}
+
 // Fault injection: ATTNRT_SM90_FAULT=barrier makes a decode plan start its requests' launch
 // counters off by one, so one CTA of each request waits at the top-16 barrier for an arrival that
 // never comes. The watchdog must turn that into a failed launch whose error says where, within
