@@ -10,6 +10,9 @@
 #   steps: tests sparse sm90 memcheck bench run torch m3dense m3   (default: all but m3)
 #   m3dense: dense decode through torch (cuDNN, flash) at the shapes of the sm90 BenchM3, timed
 #       the same way (graph, cold L2), so sparse and dense decode compare on the same card.
+#   hang: the batch-64 sparse_decode hang (2026-12-06): the sm90 tests that drive it and its
+#       watchdog, then BenchM3 at 64 x 64k and 64 x 128k three times each (a hang now ends in an
+#       error whose "cuda_sm90 watchdog:" line names the wait and the request's counters).
 #   m3: `attnrt run --device cuda:0 --check` on minimax-m3-tp4 with a 64k prompt (the last 4
 #       query tokens of the prompt checked per layer; minutes of host reference), then shorter
 #       runs with the cuda_sm90 fast path off (ATTNRT_DISABLE, and a page size it does not take).
@@ -76,6 +79,17 @@ if has m3dense; then
   PYTHONUNBUFFERED=1 timeout 200 python3 bench/cuda_side_by_side.py --m3 2>&1 |
     tee "$LOGS/m3_dense_decode.log"
   bundle
+fi
+if has hang; then
+  timeout 120 "$B/bin/attnrt_gpu_sm90_tests" \
+    --gtest_filter='*ManyLaunchesAtBatch64*:*BrokenBarrierFailsInsteadOfHanging*' 2>&1 |
+    tee "$LOGS/hang_tests.log" | grep -E "watchdog|OK|FAILED|Failure|max abs" | tail -12
+  for i in 1 2 3; do
+    ATTNRT_GPU_BENCH=1 ATTNRT_GPU_BENCH_FLUSH=read ATTNRT_GPU_BENCH_SHAPES="64x64k,64x128k" \
+      timeout 150 "$B/bin/attnrt_gpu_sm90_tests" --gtest_filter=*BenchM3 2>&1 |
+      tee "$LOGS/hang_bench_$i.log" | grep -E "watchdog|one step|Failure" | tail -6
+    bundle
+  done
 fi
 if has m3; then
   export ATTNRT_PLUGIN_PATH="$B/lib"

@@ -667,7 +667,14 @@ double graph_step_ms(const attnrt_plugin_v1* plug, DeviceBatch& D, int reps,
     cudaEventRecord(e0, st);
     cudaGraphLaunch(exec, st);
     cudaEventRecord(e1, st);
-    cudaEventSynchronize(e1);
+    if (const cudaError_t e = cudaEventSynchronize(e1); e != cudaSuccess) {
+      // A failed launch (the decode watchdog's trap, say): the plugin's error says where.
+      ADD_FAILURE() << "graph replay " << i << ": " << cudaGetErrorString(e) << "; "
+                    << (plug->synchronize({ATTNRT_DEVICE_CUDA, 0}) == ATTNRT_OK
+                            ? ""
+                            : plug->last_error());
+      break;
+    }
     float t = 0;
     cudaEventElapsedTime(&t, e0, e1);
     if (i >= 2) ms.push_back(t);
@@ -680,7 +687,7 @@ double graph_step_ms(const attnrt_plugin_v1* plug, DeviceBatch& D, int reps,
   cudaStreamDestroy(st);
   plug->destroy_plan(plan_i);
   plug->destroy_plan(plan_a);
-  return ms[ms.size() / 2];
+  return ms.empty() ? NAN : ms[ms.size() / 2];
 }
 
 // Profiling builds of the plugin (-DATTNRT_PHASE_TRACE=ON) export their kernels' phase stamps
