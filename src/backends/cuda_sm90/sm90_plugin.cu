@@ -37,6 +37,7 @@
 #include "attend_extend.h"
 #include "cuda_common/device_runtime.h"
 #include "cuda_common/sparse_ops.h"
+#include "cuda_common/spin_wait.cuh"
 #include "index_decode.h"
 #include "index_extend.h"
 
@@ -54,7 +55,7 @@ using attnrt_cuda_sm90::kHeads;
 using attnrt_cuda_sm90::kMaxBlocks;
 using attnrt_cuda_sm90::kTopK;
 
-thread_local char g_error[512] = "";
+thread_local char g_error[1024] = "";
 
 int32_t fail(int32_t status, const char* fmt, ...) __attribute__((format(printf, 2, 3)));
 int32_t fail(int32_t status, const char* fmt, ...) {
@@ -103,15 +104,21 @@ int32_t with_wait_note(int32_t status) {
                                       "the published block of a rank",
                                       "its peers' partials"};
   const std::string msg = g_error;
+  const int rank = r->rank;
+  const uint64_t word =
+      rank >= 0 && rank < kTopK ? r->sync[attnrt_cuda_sm90::kRankWords + rank] : 0;
   std::snprintf(g_error, sizeof g_error,
-                "%s; cuda_sm90 watchdog: request %d CTA %d waited over 10 s for %s (rank %d, "
-                "target %llu; arrivals %llu, done %llu, launches %llu): a bug in the fused "
-                "decode's barrier, please report this line",
-                msg.c_str(), r->request, r->cta, kWhat[r->wait < 0 || r->wait > 2 ? 0 : r->wait],
-                r->rank, static_cast<unsigned long long>(r->target),
+                "%s; cuda_sm90 watchdog: request %d CTA %d waited over %llu s for %s (target "
+                "%llu; arrivals %llu, done %llu, launches %llu; rank %d, its word: tag %llu, "
+                "block %d): a bug in the decode indexer's barrier, please report this line",
+                msg.c_str(), r->request, r->cta,
+                static_cast<unsigned long long>(attnrt_cuda_common::kSpinWatchdogNs / 1000000000),
+                kWhat[r->wait < 0 || r->wait > 2 ? 0 : r->wait],
+                static_cast<unsigned long long>(r->target),
                 static_cast<unsigned long long>(r->sync[0]),
                 static_cast<unsigned long long>(r->sync[1]),
-                static_cast<unsigned long long>(r->sync[2]));
+                static_cast<unsigned long long>(r->sync[2]), rank,
+                static_cast<unsigned long long>(word >> 32), static_cast<int>(word & 0xffffffffu));
   return status;
 }
 
