@@ -265,11 +265,16 @@ TEST(CudaSm90, IndexDecodeLargeBatch) {
   check_topk(B, S, run_index(B, S, P, true), ref_scores(B, S), &ties);
 }
 
+// After a failed stream or event sync: the plugin's own error (the decode watchdog's line, if it
+// fired), or "" when its synchronize passes.
+std::string plugin_error_after_failure(const attnrt_plugin_v1* plug) {
+  return plug->synchronize({ATTNRT_DEVICE_CUDA, 0}) == ATTNRT_OK ? "" : plug->last_error();
+}
+
 // Runs sparse_decode on B and checks it against the reference: top-k equal as sets (near ties
 // allowed), outputs and lse within tolerance. Prints `what` with the worst error.
-void check_sparse_decode(const Batch& B, const SparseParams& S, const Paging& P,
-                         const std::string& what) {
-  const SparseDecodeOut got = run_sparse_decode(B, S, P);
+void check_sparse_decode_out(const Batch& B, const SparseParams& S, const SparseDecodeOut& got,
+                             const std::string& what) {
   int ties = 0;
   check_topk(B, S, got.topk, ref_scores(B, S), &ties);
   std::vector<double> ro, rl;
@@ -278,6 +283,10 @@ void check_sparse_decode(const Batch& B, const SparseParams& S, const Paging& P,
   expect_close(B, S, got.att, ro, rl, &worst);
   std::printf("sm90 sparse_decode %s: max abs err %.2e, near-tie rows %d\n", what.c_str(), worst,
               ties);
+}
+void check_sparse_decode(const Batch& B, const SparseParams& S, const Paging& P,
+                         const std::string& what) {
+  check_sparse_decode_out(B, S, run_sparse_decode(B, S, P), what);
 }
 
 // Sets the index keys of block c of request b to sc times the request's index query, so that
@@ -390,9 +399,7 @@ TEST(CudaSm90, SparseDecodeManyLaunchesAtBatch64) {
   }
   const cudaError_t e = cudaStreamSynchronize(st);
   ASSERT_EQ(e, cudaSuccess) << cudaGetErrorString(e) << "; "
-                            << (g_plugin->synchronize({ATTNRT_DEVICE_CUDA, 0}) == ATTNRT_OK
-                                    ? ""
-                                    : g_plugin->last_error());
+                            << plugin_error_after_failure(g_plugin);
   D.poison();
   ASSERT_EQ(cudaGraphLaunch(exec, st), cudaSuccess);
   ASSERT_EQ(cudaStreamSynchronize(st), cudaSuccess);
@@ -403,14 +410,9 @@ TEST(CudaSm90, SparseDecodeManyLaunchesAtBatch64) {
   cudaGraphDestroy(graph);
   cudaStreamDestroy(st);
   g_plugin->destroy_plan(plan);
-  int ties = 0;
-  check_topk(B, S, first.topk, ref_scores(B, S), &ties);
-  std::vector<double> ro, rl;
-  ref_attend(B, S, &first.topk, true, ro, rl);
-  double worst = 0;
-  expect_close(B, S, first.att, ro, rl, &worst);
-  std::printf("sm90 sparse_decode 64 x 4k, %d queued + %d graph launches: max abs err %.2e\n",
-              launches, launches, worst);
+  check_sparse_decode_out(B, S, first,
+                          "64 x 4k, then " + std::to_string(launches) + " queued + " +
+                              std::to_string(launches) + " graph launches alike");
 }
 
 // Fault injection: ATTNRT_SM90_FAULT=barrier makes a decode plan start its requests' launch
@@ -670,9 +672,7 @@ double graph_step_ms(const attnrt_plugin_v1* plug, DeviceBatch& D, int reps,
     if (const cudaError_t e = cudaEventSynchronize(e1); e != cudaSuccess) {
       // A failed launch (the decode watchdog's trap, say): the plugin's error says where.
       ADD_FAILURE() << "graph replay " << i << ": " << cudaGetErrorString(e) << "; "
-                    << (plug->synchronize({ATTNRT_DEVICE_CUDA, 0}) == ATTNRT_OK
-                            ? ""
-                            : plug->last_error());
+                    << plugin_error_after_failure(plug);
       break;
     }
     float t = 0;
@@ -760,23 +760,20 @@ TEST(CudaSm90, BenchM3) {
                           {"decode 64x128k", 64, 131072}};
   // ATTNRT_GPU_BENCH_SHAPES: time only the shapes whose name contains one of its comma-separated
   // parts (e.g. "1x64k,1x128k"; "decode 4x64k" for that one without 64x64k).
-  const char* only = std::getenv("ATTNRT_GPU_BENCH_SHAPES");
-  auto selected = [&](const char* name) {
-    if (!only) return true;
-    std::istringstream parts(only);
+  // ATTNRT_GPU_BENCH_GRAPHS: time only the named graphs (comma-separated, of step, fused,
+  // generic, index, attend, floor); the others print nan. Unset: every shape, every graph.
+  auto listed = [](const char* var, const std::string& name, bool whole) {
+    const char* list = std::getenv(var);
+    if (!list) return true;
+    std::istringstream parts(list);
     for (std::string part; std::getline(parts, part, ',');)
-      if (!part.empty() && std::string(name).find(part) != std::string::npos) return true;
+      if (!part.empty() && (whole ? part == name : name.find(part) != std::string::npos))
+        return true;
     return false;
   };
-  // ATTNRT_GPU_BENCH_GRAPHS: time only the named graphs (comma-separated, of step, fused,
-  // generic, index, attend, floor); the others print nan.
-  const char* graphs = std::getenv("ATTNRT_GPU_BENCH_GRAPHS");
+  auto selected = [&](const char* name) { return listed("ATTNRT_GPU_BENCH_SHAPES", name, false); };
   auto graphs_selected = [&](const char* name) {
-    if (!graphs) return true;
-    std::istringstream parts(graphs);
-    for (std::string part; std::getline(parts, part, ',');)
-      if (part == name) return true;
-    return false;
+    return listed("ATTNRT_GPU_BENCH_GRAPHS", name, true);
   };
   const bool recent = std::getenv("ATTNRT_GPU_BENCH_RECENT") != nullptr;
   const bool windows = std::getenv("ATTNRT_GPU_BENCH_WINDOWS") != nullptr;
