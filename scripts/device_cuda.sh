@@ -10,9 +10,10 @@
 #   steps: tests sparse sm90 memcheck bench run torch m3dense m3   (default: all but m3)
 #   m3dense: dense decode through torch (cuDNN, flash) at the shapes of the sm90 BenchM3, timed
 #       the same way (graph, cold L2), so sparse and dense decode compare on the same card.
-#   hang: the batch-64 sparse_decode hang (2026-12-06): the sm90 tests that drive it and its
-#       watchdog, then BenchM3 at 64 x 64k and 64 x 128k three times each (a hang now ends in an
-#       error whose "cuda_sm90 watchdog:" line names the wait and the request's counters).
+#   hang: a stress of the batch-64 sparse_decode (hung on 2026-12-06, not since the plan's host
+#       writes land before plan() returns): the sm90 tests that drive it and its watchdog, then
+#       BenchM3 at 64 x 64k and 64 x 128k three times each (a hang ends in an error whose
+#       "cuda_sm90 watchdog:" line names the wait and the request's counters).
 #   m3: `attnrt run --device cuda:0 --check` on minimax-m3-tp4 with a 64k prompt (the last 4
 #       query tokens of the prompt checked per layer; minutes of host reference), then shorter
 #       runs with the cuda_sm90 fast path off (ATTNRT_DISABLE, and a page size it does not take).
