@@ -71,9 +71,9 @@ int32_t fail(int32_t status, const char* fmt, ...) {
 attnrt_cuda_sm90::WaitRecord* g_wait_record = nullptr;  // host address; null: none
 attnrt_cuda_sm90::WaitRecord* g_wait_record_dev = nullptr;
 
-// The device address of the wait record, allocated on first use (nullptr if that fails: the
-// watchdog then traps without a record).
-attnrt_cuda_sm90::WaitRecord* wait_record() {
+// Allocates the wait record once per process (left null if that fails: the watchdog then traps
+// without a record).
+void allocate_wait_record() {
   static std::once_flag once;
   std::call_once(once, [] {
     void* h = nullptr;
@@ -92,7 +92,6 @@ attnrt_cuda_sm90::WaitRecord* wait_record() {
     g_wait_record = static_cast<attnrt_cuda_sm90::WaitRecord*>(h);
     g_wait_record_dev = static_cast<attnrt_cuda_sm90::WaitRecord*>(d);
   });
-  return g_wait_record_dev;
 }
 
 // A failing status gets the watchdog's finding appended to the message once a decode indexer
@@ -364,7 +363,7 @@ int32_t plan_impl(const attnrt_problem* p, const attnrt_layout* L, Sm90Plan* pl)
       CK(cudaMemcpy(pl->d_sync, w.data(), words, cudaMemcpyHostToDevice));
     }
     CK(attnrt_cuda_common::land_host_writes());  // zero before any stream's first launch
-    wait_record();  // here, not in run(): run() allocates nothing (graph capture)
+    allocate_wait_record();  // here, not in run(): run() allocates nothing (graph capture)
     CK(cudaMalloc(reinterpret_cast<void**>(&pl->d_scores),
                   sizeof(float) * std::max<size_t>(1, static_cast<size_t>(n) * pl->block_capacity)));
   }
