@@ -271,8 +271,9 @@ std::string plugin_error_after_failure(const attnrt_plugin_v1* plug) {
   return plug->synchronize({ATTNRT_DEVICE_CUDA, 0}) == ATTNRT_OK ? "" : plug->last_error();
 }
 
-// Runs sparse_decode on B and checks it against the reference: top-k equal as sets (near ties
+// Checks a sparse_decode output of B against the reference: top-k equal as sets (near ties
 // allowed), outputs and lse within tolerance. Prints `what` with the worst error.
+// check_sparse_decode() runs sparse_decode on B first.
 void check_sparse_decode_out(const Batch& B, const SparseParams& S, const SparseDecodeOut& got,
                              const std::string& what) {
   int ties = 0;
