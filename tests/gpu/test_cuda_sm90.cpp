@@ -302,10 +302,11 @@ void scale_block_keys(Batch& B, int b, int c, float sc) {
 
 // sparse_decode, the indexer and attend in one launch: its top-k against the reference scores,
 // its output against the reference attention over the top-k it wrote. Cases cover every path of
-// the kernel: a context of at most 16 blocks (all taken, no barrier), one request, ragged batches
-// with several CTAs per request (a CTA attends one slot, or several when a request has fewer
-// than 16 CTAs; slot holders with no blocks of their own), a batch past one wave of CTAs (one CTA
-// per request attends all 16), sink and lse on and off, f16.
+// the kernel: a context of at most 16 blocks (all taken, no barrier), one request (64k, and 512k:
+// 4096 block keys a CTA ranks against), ragged batches with several CTAs per request (a CTA
+// attends one slot, or several when a request has fewer than 16 CTAs; slot holders with no blocks
+// of their own), a batch past one wave of CTAs (one CTA per request attends all 16), sink and lse
+// on and off, f16.
 TEST(CudaSm90, SparseDecodeMatchesReference) {
   REQUIRE_HOPPER();
   struct C {
@@ -328,6 +329,8 @@ TEST(CudaSm90, SparseDecodeMatchesReference) {
       {ATTNRT_BF16, true, true, 2, 4, ragged(20, 40000, 1)},
       {ATTNRT_F16, false, true, 0, 1, ragged(70, 30000, 2)},
       {ATTNRT_BF16, true, true, 1, 1, ragged(420, 6000, 3)},
+      {ATTNRT_BF16, false, false, 0, 1, ragged(16, 70000, 4)},
+      {ATTNRT_BF16, true, true, 1, 2, {524288}},
   };
   int it = 0;
   for (const C& c : cases) {
