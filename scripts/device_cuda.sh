@@ -7,13 +7,19 @@
 # attnrt_gpu_sparse_tests,attnrt_gpu_sm90_tests} and build/lib/{libattnrt.so.0.1.0,
 # libattnrt_cuda.so,libattnrt_cuda_sm90.so}.
 # Usage: scripts/device_cuda.sh [build-dir] [steps...]
-#   steps: tests sparse sm90 memcheck bench run torch m3dense m3   (default: all but m3)
+#   steps: tests sparse sm90 memcheck bench run torch m3dense hang ab m3
+#          (default: tests sparse sm90 memcheck bench run torch m3dense)
 #   m3dense: dense decode through torch (cuDNN, flash) at the shapes of the sm90 BenchM3, timed
 #       the same way (graph, cold L2), so sparse and dense decode compare on the same card.
 #   hang: a stress of the batch-64 sparse_decode (hung on 2026-12-06, not since the plan's host
 #       writes land before plan() returns): the sm90 tests that drive it and its watchdog, then
 #       BenchM3 at 64 x 64k and 64 x 128k three times each (a hang ends in an error whose
 #       "cuda_sm90 watchdog:" line names the wait and the request's counters).
+#   ab: a candidate sm90 plugin ($B/lib/libattnrt_cuda_sm90.so) against main's, built and carried
+#       as $B/lib/base_sm90.so, in one call: BenchM3 (graph step, L2 evicted by a read) on $SHAPES
+#       (default 1x64k,1x128k,4x64k,8x64k) alternating the two, the sparse-decode tests, `attnrt
+#       run --check` on minimax-m3-tp4 (8k prompt), a profiling build's phases ($B/lib/trace_sm90.so,
+#       if carried) and a second round of timings, while $BUDGET seconds (default 300) last.
 #   m3: `attnrt run --device cuda:0 --check` on minimax-m3-tp4 with a 64k prompt (the last 4
 #       query tokens of the prompt checked per layer; minutes of host reference), then shorter
 #       runs with the cuda_sm90 fast path off (ATTNRT_DISABLE, and a page size it does not take).
@@ -91,6 +97,44 @@ if has hang; then
       tee "$LOGS/hang_bench_$i.log" | grep -E "watchdog|one step|Failure" | tail -6
     bundle
   done
+fi
+if has ab; then
+  T0=$SECONDS
+  left() { echo $(( ${BUDGET:-300} - (SECONDS - T0) )); }
+  ab_shapes=${SHAPES:-1x64k,1x128k,4x64k,8x64k}
+  ab_bench() {  # tag, plugin file under $B/lib ("" = the candidate), shapes, graphs
+    local plugin=()
+    [ -n "$2" ] && plugin=(ATTNRT_CUDA_PLUGIN="$PWD/$B/lib/$2")
+    echo "== bench $1 t=$((SECONDS - T0))"
+    env "${plugin[@]}" ATTNRT_GPU_BENCH=1 ATTNRT_GPU_BENCH_FLUSH=read ATTNRT_GPU_BENCH_SHAPES="$3" \
+      ATTNRT_GPU_BENCH_GRAPHS="${4:-fused,step}" timeout 60 stdbuf -oL \
+      "$B/bin/attnrt_gpu_sm90_tests" --gtest_filter=*BenchM3 > "$LOGS/ab_bench_$1.log" 2>&1
+    echo "rc=$?"
+    grep -E "watchdog|one step|Failure|error|PHASE" "$LOGS/ab_bench_$1.log" |
+      sed -E 's/ +/ /g; s/one step in a CUDA graph, cold L2 by a read \(median of 20\)://; s/generic nan.*//' |
+      cut -c1-120
+    bundle
+  }
+  ab_bench new1 "" "$ab_shapes"
+  ab_bench base1 base_sm90.so "$ab_shapes"
+  echo "== sm90 decode tests t=$((SECONDS - T0))"
+  timeout 90 stdbuf -oL "$B/bin/attnrt_gpu_sm90_tests" \
+    --gtest_filter='*SparseDecode*:*Death*:*GraphReplays*:*IndexDecode*' > "$LOGS/ab_sm90_tests.log" 2>&1
+  echo "rc=$?"
+  grep -E "^\[  FAILED|Failure|PASSED|sparse_decode case" "$LOGS/ab_sm90_tests.log" | cut -c1-150 | tail -24
+  bundle
+  if (( $(left) > 70 )); then
+    echo "== run m3 check t=$((SECONDS - T0))"
+    ATTNRT_PLUGIN_PATH="$B/lib" timeout 60 "$B/bin/attnrt" run --device cuda:0 --model minimax-m3-tp4 \
+      --prompt-len 8192 --decode-steps 2 --check --check-rows 4 > "$LOGS/ab_run_m3.log" 2>&1
+    echo "rc=$?"
+    grep -E "check|sparse_decode|fallback|warn" "$LOGS/ab_run_m3.log" | tail -6
+    bundle
+  fi
+  if [ -f "$B/lib/trace_sm90.so" ] && (( $(left) > 30 )); then ab_bench trace trace_sm90.so 1x64k,4x64k fused; fi
+  if (( $(left) > 30 )); then ab_bench new2 "" "$ab_shapes"; fi
+  if (( $(left) > 30 )); then ab_bench base2 base_sm90.so "$ab_shapes"; fi
+  echo "ab done t=$((SECONDS - T0))"
 fi
 if has m3; then
   export ATTNRT_PLUGIN_PATH="$B/lib"
