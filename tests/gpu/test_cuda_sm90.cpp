@@ -2,17 +2,19 @@
 // its indexer and sparse attend, decode and extend, against the double-precision references of
 // sparse_harness.h (top-k ascending, unique, -1 padded, equal as sets up to near-ties, forced
 // blocks in; outputs within atol = rtol = 5e-3, lse 1e-3; repeats bit-identical; outputs
-// poisoned), sparse_decode (both in one launch) likewise, both ops or sparse_decode captured in
-// one CUDA graph and replayed after update_plan, a 512k context,
-// the probe's reasons by name, and run() refusing (before writing) a cache whose pages are not
-// contiguous.
+// poisoned), sparse_decode (both in one launch) likewise, also run solo (as when another kernel
+// holds the SMs its CTAs need, and really beside one), both ops or sparse_decode captured in
+// one CUDA graph and replayed after update_plan, a 512k context, the probe's reasons by name,
+// and run() refusing (before writing) a cache whose pages are not contiguous.
 // Every test skips without a CUDA device; on a device other than sm_90 only the probe test runs.
 // ATTNRT_GPU_BENCH=1 times it beside the generic cuda plugin on the M3 decode and extend shapes.
 #include <chrono>
 #include <sstream>
 #include <string>
+#include <thread>
 
 #include "l2_read_flush.h"
+#include "sm_occupier.h"
 #include "sparse_harness.h"
 
 namespace {
@@ -420,8 +422,8 @@ TEST(CudaSm90, SparseDecodeManyLaunchesAtBatch64) {
 }
 
 // Fault injection: ATTNRT_SM90_FAULT=barrier makes a decode plan start its requests' launch
-// counters off by one, so one CTA of each request waits at the top-16 barrier for an arrival that
-// never comes. The watchdog must turn that into a failed launch whose error says where, within
+// counters one launch ahead of their arrivals, so the CTAs of each request wait at the top-16
+// barrier for arrivals that never come. The watchdog must turn that into a failed launch whose error says where, within
 // its 10 s, instead of a hang. Runs in a child process (the trap ends the CUDA context).
 TEST(CudaSm90DeathTest, BrokenBarrierFailsInsteadOfHanging) {
   REQUIRE_HOPPER();
@@ -447,6 +449,105 @@ TEST(CudaSm90DeathTest, BrokenBarrierFailsInsteadOfHanging) {
   };
   EXPECT_EXIT(broken_step(), ::testing::ExitedWithCode(0),
               "cuda_sm90 watchdog: request 0 CTA [0-9]+ waited over 10 s");
+}
+
+// Sets an environment variable for the scope (plans read ATTNRT_SM90_FAULT when made).
+struct ScopedEnv {
+  const char* name;
+  ScopedEnv(const char* n, const char* v) : name(n) { setenv(n, v, 1); }
+  ~ScopedEnv() { unsetenv(name); }
+};
+
+// Solo mode (index_decode.h: the request's last CTA to start ranks and attends every block
+// alone, the others leave after scoring), forced by ATTNRT_SM90_FAULT=solo: sparse_decode and the
+// decode indexer against the reference on every path (at most 16 blocks, one request, a ragged
+// batch with forced blocks, sink and lse, f16). The test below reaches solo mode for real.
+TEST(CudaSm90, SoloModeMatchesReference) {
+  REQUIRE_HOPPER();
+  const ScopedEnv fault("ATTNRT_SM90_FAULT", "solo");
+  struct C {
+    int dtype;
+    bool sink, lse;
+    int init, local;
+    std::vector<int32_t> kv;
+  };
+  const C cases[] = {
+      {ATTNRT_BF16, false, true, 0, 1, {300}},
+      {ATTNRT_BF16, true, true, 1, 2, {4000, 130, 9001, 2048}},
+      {ATTNRT_BF16, true, true, 1, 1, {65536}},
+      {ATTNRT_F16, false, true, 0, 1, {20000, 7777, 1, 33000}},
+  };
+  int it = 0;
+  for (const C& c : cases) {
+    SCOPED_TRACE(it);
+    const Batch B = make_batch(c.dtype, 16, 1, 1, 128, 128, std::vector<int32_t>(c.kv.size(), 1),
+                               c.kv, 1300 + it, true, true);
+    SparseParams S = m3_params(c.init, c.local);
+    S.sink = c.sink;
+    S.lse = c.lse;
+    check_sparse_decode(B, S, make_paging(B, 128, 131 + it), "solo case " + std::to_string(it));
+    expect_index_matches(decode_batch(c.dtype, c.kv, 1400 + it), m3_params(c.init, c.local),
+                         141 + it, true, "sm90 indexer solo", it);
+    ++it;
+  }
+}
+
+// A decode step launched while another stream's kernel holds all but 4 multiprocessors: 12 of a
+// 64k request's ~260 CTAs fit at a time, so they cannot all start together. The step must finish
+// (solo mode) with the reference's answer, sparse_decode and the indexer alone; waiting for peers
+// that cannot start would instead hang until the watchdog failed the launch after 10 s.
+TEST(CudaSm90, DecodeFinishesBesideAKernelHoldingMostSms) {
+  REQUIRE_HOPPER();
+  const Batch B = make_batch(ATTNRT_BF16, 16, 1, 1, 128, 128, {1}, {65536}, 1500, true, true);
+  SparseParams S = m3_params(1, 2);
+  S.sink = true;
+  const Paging P = make_paging(B, 128, 151);
+  DeviceBatch D(B, P, S, ATTNRT_OP_SPARSE_DECODE);
+  for (const int op : {ATTNRT_OP_SPARSE_DECODE, ATTNRT_OP_SPARSE_INDEX_DECODE}) {
+    SCOPED_TRACE(op);
+    attnrt_problem p = problem_of(op, B, S, 128);
+    attnrt_layout L = layout_of(B, P);
+    attnrt_plan plan = nullptr;
+    ASSERT_EQ(g_plugin->plan(&p, &L, &plan), ATTNRT_OK) << g_plugin->last_error();
+    const attnrt_tensors ts = D.tensors(op);
+    D.poison();
+    cudaStream_t held, st;
+    ASSERT_EQ(cudaStreamCreateWithFlags(&held, cudaStreamNonBlocking), cudaSuccess);
+    ASSERT_EQ(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), cudaSuccess);
+    SmOccupier occ;
+    ASSERT_EQ(sm_occupier_start(4, 30000, held, &occ), cudaSuccess);
+    const auto t0 = std::chrono::steady_clock::now();
+    const int32_t r = g_plugin->run(plan, &ts, st);
+    cudaError_t q = cudaErrorNotReady;
+    while ((q = cudaStreamQuery(st)) == cudaErrorNotReady &&
+           std::chrono::steady_clock::now() - t0 < std::chrono::seconds(20))
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    const double ms =
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    int still_held = 0;  // the occupier's CTAs, all still running while the step ran
+    for (int i = 0; i < occ.ctas; ++i) still_held += occ.running[i];
+    const bool released_early = *occ.release != 0;
+    EXPECT_EQ(sm_occupier_release(&occ, held), cudaSuccess);
+    ASSERT_EQ(r, ATTNRT_OK) << g_plugin->last_error();
+    ASSERT_EQ(q, cudaSuccess) << "the step did not finish beside the occupier ("
+                              << cudaGetErrorString(q) << "); "
+                              << plugin_error_after_failure(g_plugin);
+    EXPECT_EQ(still_held, occ.ctas);
+    EXPECT_FALSE(released_early);
+    std::printf("sm90 op %d beside %d held multiprocessors: %.2f ms\n", op, occ.ctas, ms);
+    cudaStreamDestroy(st);
+    cudaStreamDestroy(held);
+    g_plugin->destroy_plan(plan);
+    SparseDecodeOut got;
+    got.topk = D.topk_host();
+    if (op == ATTNRT_OP_SPARSE_DECODE) {
+      got.att = D.att_host();
+      check_sparse_decode_out(B, S, got, "beside an occupier");
+    } else {
+      int ties = 0;
+      check_topk(B, S, got.topk, ref_scores(B, S), &ties);
+    }
+  }
 }
 
 // Winners that cluster: a CTA ranks several of the 16 (it keeps its best, or every one goes to
