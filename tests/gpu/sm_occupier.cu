@@ -22,6 +22,8 @@ __global__ void occupy(volatile int* running, volatile int* release, uint64_t li
     if (t - t0 > limit_ns) break;
     __nanosleep(1000);
   }
+  running[blockIdx.x] = 0;  // no longer holding its multiprocessor
+  __threadfence_system();
 }
 
 }  // namespace

@@ -7,7 +7,7 @@
 
 struct SmOccupier {
   int ctas = 0;
-  volatile int* running = nullptr;  // host-mapped, [ctas]: CTA i sets 1 once it holds its SM
+  volatile int* running = nullptr;  // host-mapped, [ctas]: 1 while CTA i holds its SM
   volatile int* release = nullptr;  // host-mapped: 1 lets every CTA exit
   void* mem = nullptr;              // the pinned allocation behind both
 };

@@ -524,16 +524,14 @@ TEST(CudaSm90, DecodeFinishesBesideAKernelHoldingMostSms) {
       std::this_thread::sleep_for(std::chrono::microseconds(200));
     const double ms =
         std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-    int still_held = 0;  // the occupier's CTAs, all still running while the step ran
+    int still_held = 0;  // the occupier's CTAs still running once the step is over
     for (int i = 0; i < occ.ctas; ++i) still_held += occ.running[i];
-    const bool released_early = *occ.release != 0;
     EXPECT_EQ(sm_occupier_release(&occ, held), cudaSuccess);
     ASSERT_EQ(r, ATTNRT_OK) << g_plugin->last_error();
     ASSERT_EQ(q, cudaSuccess) << "the step did not finish beside the occupier ("
                               << cudaGetErrorString(q) << "); "
                               << plugin_error_after_failure(g_plugin);
-    EXPECT_EQ(still_held, occ.ctas);
-    EXPECT_FALSE(released_early);
+    EXPECT_EQ(still_held, occ.ctas) << "the multiprocessors were not held for the whole step";
     std::printf("sm90 op %d beside %d held multiprocessors: %.2f ms\n", op, occ.ctas, ms);
     cudaStreamDestroy(st);
     cudaStreamDestroy(held);
