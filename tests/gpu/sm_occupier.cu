@@ -44,20 +44,27 @@ cudaError_t sm_occupier_start(int free_sms, int limit_ms, cudaStream_t st, SmOcc
   o->running = h;
   o->release = h + o->ctas;
   int* d = nullptr;
-  if ((e = cudaHostGetDevicePointer(reinterpret_cast<void**>(&d), o->mem, 0)) != cudaSuccess)
+  if ((e = cudaHostGetDevicePointer(reinterpret_cast<void**>(&d), o->mem, 0)) == cudaSuccess)
+    e = cudaFuncSetAttribute(occupy, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (e == cudaSuccess) {
+    occupy<<<o->ctas, 32, smem, st>>>(d, d + o->ctas,
+                                      static_cast<uint64_t>(limit_ms) * 1000 * 1000);
+    e = cudaGetLastError();
+  }
+  if (e != cudaSuccess) {
+    cudaFreeHost(o->mem);
+    o->mem = nullptr;
     return e;
-  if ((e = cudaFuncSetAttribute(occupy, cudaFuncAttributeMaxDynamicSharedMemorySize, smem)) !=
-      cudaSuccess)
-    return e;
-  occupy<<<o->ctas, 32, smem, st>>>(d, d + o->ctas,
-                                    static_cast<uint64_t>(limit_ms) * 1000 * 1000);
-  if ((e = cudaGetLastError()) != cudaSuccess) return e;
+  }
   const auto t0 = std::chrono::steady_clock::now();
   for (;;) {
     int n = 0;
     for (int i = 0; i < o->ctas; ++i) n += o->running[i];
     if (n == o->ctas) return cudaSuccess;
-    if (std::chrono::steady_clock::now() - t0 > std::chrono::seconds(5)) return cudaErrorTimeout;
+    if (std::chrono::steady_clock::now() - t0 > std::chrono::seconds(5)) {
+      sm_occupier_release(o, st);  // the CTAs that did start exit
+      return cudaErrorTimeout;
+    }
     std::this_thread::sleep_for(std::chrono::microseconds(100));
   }
 }

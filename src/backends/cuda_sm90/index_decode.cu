@@ -2,15 +2,14 @@
 //
 // One launch does the whole op. Grid: ctas_per_request CTAs per request, each scoring a range of
 // blocks_per_cta blocks (the plan sizes them so the grid is one wave of resident CTAs). A block
-// is one page, 32 KB
-// contiguous, so a single Hopper bulk copy (cp.async.bulk, completion counted by an mbarrier)
-// brings it into shared memory; two stages keep the next page in flight while the 4 warps score
-// the current one (8 threads per key row, 16 dims each, shuffle-reduced; the block's max over keys
-// j < kv_len). Top-16: the request's CTAs meet at a barrier, each ranks its own blocks against all
-// of the request's scores (ties to the lowest ids, forced init/local blocks, NaN -> -1e30) and
-// writes those of rank < 16 to their slot; the last CTA to finish puts the 16 slots in ascending
-// id order. Padding is -1. The request's counters only grow, so the next launch, or a captured
-// graph's replay, needs no reset.
+// is one page, 32 KB contiguous, so a single Hopper bulk copy (cp.async.bulk, completion counted
+// by an mbarrier) brings it into shared memory; two stages keep the next page in flight while the
+// 4 warps score the current one (8 threads per key row, 16 dims each, shuffle-reduced; the
+// block's max over keys j < kv_len). Top-16: the request's CTAs meet at a barrier, each ranks its
+// own blocks against all of the request's scores (ties to the lowest ids, forced init/local
+// blocks, NaN -> -1e30) and writes those of rank < 16 to their slot; the last CTA to finish puts
+// the 16 slots in ascending id order. Padding is -1. The request's counters only grow, so the
+// next launch, or a captured graph's replay, needs no reset.
 //
 // CTAs wait for their peers only once the launch's mode word says every peer has started
 // (index_decode.h): the launch is not cooperative, so that it neither pays the cooperative
@@ -135,6 +134,9 @@ __device__ __forceinline__ uint64_t launch_mode(uint64_t* word, uint64_t seen, u
 
 // One CTA of the launch writes the wait record (index_decode.h).
 __device__ unsigned g_wait_record_claimed;
+
+// Requests that ran solo, over every launch (index_decode_solo_requests()).
+__device__ unsigned long long g_solo_requests;
 
 // A wait for the request's peers outlasted the watchdog (a bug: peers that have all started
 // arrive within milliseconds). The first CTA to get here records where (which wait, the target,
@@ -424,7 +426,8 @@ __global__ void __launch_bounds__(kThreads, kFused ? 3 : 1) index_decode_kernel(
     if constexpr (kFused) s_tag = static_cast<uint32_t>(target);
     last_to_start = ctas > 1 && started + 1 == target;
     if (last_to_start)
-      mode_seen = atom_max(&sync[kModeWord], target << 2 | (a.force_solo ? kModeSolo : kModeShared));
+      mode_seen =
+          atom_max(&sync[kModeWord], target << 2 | (a.force_solo ? kModeSolo : kModeShared));
   }
   __syncthreads();
   // Fused: after the first index pages (the critical path), CTAs that may attend load q.
@@ -482,10 +485,11 @@ __global__ void __launch_bounds__(kThreads, kFused ? 3 : 1) index_decode_kernel(
   }
 
   INDEX_PHASE(2);
-  // The gate: shared mode, or solo (this CTA alone goes on, or it leaves).
+  // The gate: shared mode, or solo (this CTA alone goes on, or it leaves). The indexer alone
+  // waits for no peer when every block is taken: it passes as shared.
   if (tid == 0) {
     int g = kShared;
-    if (a.ctas_per_request > 1) {
+    if (a.ctas_per_request > 1 && (kFused || nblk > kTopK)) {
       uint64_t mode;
       if (last_to_start)  // its declaration stood unless a peer's claim came first
         mode = (mode_seen >> 2) == target ? (mode_seen & 3u)
@@ -494,6 +498,7 @@ __global__ void __launch_bounds__(kThreads, kFused ? 3 : 1) index_decode_kernel(
         mode = launch_mode(&sync[kModeWord], c0 < c1 ? mode_seen : ld_relaxed(&sync[kModeWord]),
                            target);
       if (mode == kModeSolo) g = last_to_start ? kAlone : kLeave;
+      if (g == kAlone) atomicAdd(&g_solo_requests, 1ull);
     }
     s_gate = g;
   }
@@ -697,6 +702,12 @@ int resident_ctas(int sms, int* ctas) {
 }
 
 }  // namespace
+
+uint64_t index_decode_solo_requests() {
+  unsigned long long n = 0;
+  if (cudaMemcpyFromSymbol(&n, g_solo_requests, sizeof n) != cudaSuccess) return UINT64_MAX;
+  return n;
+}
 
 int index_decode_resident_ctas(int sms, bool fused, int* ctas) {
   return fused ? resident_ctas<true>(sms, ctas) : resident_ctas<false>(sms, ctas);

@@ -35,8 +35,9 @@ struct IndexArgsBase {
 //
 // The request's CTAs need not be resident together (the launch is not cooperative). The mode
 // word, (launch tag << 2) | mode, says how this launch runs: kModeShared once the request's last
-// CTA to start has said so (every peer has then started and will finish without waiting, so
-// peers may wait for each other); kModeSolo if a CTA found the launch undecided for
+// CTA to start has said so (every peer has then started, so peers may wait for each other: each
+// waits only for work that started peers do without waiting); kModeSolo if a CTA found the
+// launch undecided for
 // kLeaveAfterNs after its scoring (peers may be unable to start: the GPU is shared) and claimed
 // it first. In solo mode every CTA leaves after scoring except the last to start, which ranks
 // and attends the request alone; it waits only for the arrivals of peers that have all started.
@@ -87,5 +88,9 @@ int launch_sparse_decode(const SparseDecodeArgs& a, int dtype, void* stream);
 // multiprocessors): the plan sizes the grid to one such wave, in which a request's CTAs start
 // together and share its work. Returns a cudaError_t as int.
 int index_decode_resident_ctas(int sms, bool fused, int* ctas);
+// Requests whose decode launch ran solo since the plugin was loaded, every device of the process
+// counted on the current one (UINT64_MAX if it cannot be read). A free GPU runs none solo; a
+// count that grows says another kernel kept the decode's CTAs from starting together.
+uint64_t index_decode_solo_requests();
 
 }  // namespace attnrt_cuda_sm90

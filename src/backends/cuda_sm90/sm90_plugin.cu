@@ -656,4 +656,8 @@ extern "C" {
 ATTNRT_PLUGIN_EXPORT extern const uint32_t attnrt_plugin_abi_version;
 const uint32_t attnrt_plugin_abi_version = ATTNRT_PLUGIN_ABI_VERSION;
 ATTNRT_PLUGIN_EXPORT const attnrt_plugin_v1* attnrt_plugin_get(void) { return &kTable; }
+// Diagnostic beside the ABI (index_decode.h): requests whose decode launch ran solo so far.
+ATTNRT_PLUGIN_EXPORT uint64_t attnrt_cuda_sm90_solo_requests(void) {
+  return attnrt_cuda_sm90::index_decode_solo_requests();
+}
 }
