@@ -372,6 +372,7 @@ __global__ void __launch_bounds__(kThreads, kFused ? 3 : 1) index_decode_kernel(
   // may take for their rankers; the ranks it attends and their blocks.
   __shared__ int s_mine[kTopK], s_help[kTopK], s_sel_block[kTopK], s_sel_rank[kTopK], s_nsel;
   __shared__ uint32_t s_tag;  // fused: this launch's tag of the published ranks
+  __shared__ bool s_last_to_start;  // fused: the CTA that would attend alone in solo mode
   __shared__ int s_heads[kHeads], s_nheads;  // fused: the heads this CTA merges
   __shared__ PartialShared s_part;
   __shared__ int s_gate;  // kShared, kAlone (solo, this CTA does the work) or kLeave
@@ -423,15 +424,19 @@ __global__ void __launch_bounds__(kThreads, kFused ? 3 : 1) index_decode_kernel(
     const uint64_t ctas = static_cast<uint64_t>(a.ctas_per_request);
     const uint64_t started = atom_add(&sync[2], 1);
     target = (started / ctas + 1) * ctas;
-    if constexpr (kFused) s_tag = static_cast<uint32_t>(target);
     last_to_start = ctas > 1 && started + 1 == target;
+    if constexpr (kFused) {
+      s_tag = static_cast<uint32_t>(target);
+      s_last_to_start = last_to_start;
+    }
     if (last_to_start)
       mode_seen =
           atom_max(&sync[kModeWord], target << 2 | (a.force_solo ? kModeSolo : kModeShared));
   }
   __syncthreads();
-  // Fused: after the first index pages (the critical path), CTAs that may attend load q.
-  if (kFused && (c0 < c1 || part < min(kTopK, nblk)))
+  // Fused: after the first index pages (the critical path), CTAs that may attend load q (the last
+  // to start attends every block in solo mode).
+  if (kFused && (c0 < c1 || part < min(kTopK, nblk) || s_last_to_start))
     load_q(sQ, static_cast<const T*>(a.att.q) + static_cast<int64_t>(b) * a.att.q_s0, a.att.q_s1);
 
   // This thread's 16 query dims: [8*sub, 8*sub+8) and [64+8*sub, 64+8*sub+8).
@@ -611,9 +616,6 @@ __global__ void __launch_bounds__(kThreads, kFused ? 3 : 1) index_decode_kernel(
       if (tid == 0) red_release_add(&sync[1], 1);
       return;
     }
-    if (solo && !(c0 < c1 || part < min(kTopK, nblk)))
-      load_q(sQ, static_cast<const T*>(a.att.q) + static_cast<int64_t>(b) * a.att.q_s0,
-             a.att.q_s1);
     const int nsel = attend_selected<T>(a, b, solo ? 0 : part, solo ? 1 : a.ctas_per_request,
                                         keff, all_taken, own_first, kv, pages,
                                         sync + kRankWords, s_tag, stages, sQ, s_mine, s_help,
