@@ -100,8 +100,8 @@ __device__ __forceinline__ void st_relaxed(uint64_t* p, uint64_t v) {
 __device__ __forceinline__ uint64_t atom_add(uint64_t* p, uint64_t v) {
   return atomicAdd(reinterpret_cast<unsigned long long*>(p), static_cast<unsigned long long>(v));
 }
-__device__ __forceinline__ uint64_t atom_max(uint64_t* p, uint64_t v) {
-  return atomicMax(reinterpret_cast<unsigned long long*>(p), static_cast<unsigned long long>(v));
+__device__ __forceinline__ void red_max(uint64_t* p, uint64_t v) {
+  asm volatile("red.relaxed.gpu.global.max.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 __device__ __forceinline__ uint64_t atom_cas(uint64_t* p, uint64_t expected, uint64_t v) {
   return atomicCAS(reinterpret_cast<unsigned long long*>(p),
@@ -113,21 +113,25 @@ __device__ __forceinline__ uint64_t ld_relaxed(const uint64_t* p) {
   return v;
 }
 
-// This launch's mode (index_decode.h), by thread 0 of a CTA that is not the request's last to
-// start, after its scoring: `seen` is the mode word as read earlier. If the last CTA has not
-// declared the launch within kLeaveAfterNs, the first CTA to claim it makes it solo.
-__device__ __forceinline__ uint64_t launch_mode(uint64_t* word, uint64_t seen, uint64_t tag) {
-  if ((seen >> 2) < tag) {
-    const uint64_t t0 = attnrt_cuda_common::globaltimer_ns();
-    while (((seen = ld_relaxed(word)) >> 2) < tag &&
-           attnrt_cuda_common::globaltimer_ns() - t0 < kLeaveAfterNs)
-      __nanosleep(64);
-    if ((seen >> 2) < tag) {
+// This launch's mode (index_decode.h), by thread 0 of a CTA once it has arrived (the last to
+// start finds its own declaration, or a peer's earlier claim): `seen` is the mode word as read while it scored. A stale word is
+// polled together with the arrivals: once every CTA has arrived, the last to start has declared
+// (before its arrival), so the next read decides. If the launch is still undecided after
+// kLeaveAfterNs, the first CTA to claim it makes it solo.
+__device__ __forceinline__ uint64_t launch_mode(uint64_t* word, const uint64_t* arrivals,
+                                                uint64_t seen, uint64_t tag) {
+  const uint64_t t0 = attnrt_cuda_common::globaltimer_ns();
+  while ((seen >> 2) < tag) {
+    const uint64_t now = ld_relaxed(word), arrived = ld_acquire(arrivals);  // both in flight
+    if ((now >> 2) >= tag) return now & 3u;
+    if (arrived >= tag) continue;
+    if (attnrt_cuda_common::globaltimer_ns() - t0 >= kLeaveAfterNs) {
       // Only this launch's CTAs write this tag, and the launches before it have ended: a failed
       // claim returns this launch's mode.
-      const uint64_t was = atom_cas(word, seen, tag << 2 | kModeSolo);
-      seen = was == seen ? (tag << 2 | kModeSolo) : was;
+      const uint64_t was = atom_cas(word, now, tag << 2 | kModeSolo);
+      return was == now ? kModeSolo : (was & 3u);
     }
+    __nanosleep(64);
   }
   return seen & 3u;
 }
@@ -394,8 +398,8 @@ __global__ void __launch_bounds__(kThreads, kFused ? 3 : 1) index_decode_kernel(
   // reaches (thread 0 holds it) follows from the launches before it; no reset at the end.
   uint64_t* sync = a.sync + kSyncWords * b;
   uint64_t target = 0;
-  // Thread 0: whether this CTA is the request's last to start, and then the mode word before its
-  // declaration; else the mode word as read while scoring (index_decode.h).
+  // Thread 0: whether this CTA is the request's last to start; the mode word as read while
+  // scoring (index_decode.h).
   bool last_to_start = false;
   uint64_t mode_seen = 0;
   const T* kc = static_cast<const T*>(a.kc);
@@ -419,8 +423,8 @@ __global__ void __launch_bounds__(kThreads, kFused ? 3 : 1) index_decode_kernel(
     if (c0 + kStages < c1) next_page = pages[c0 + kStages];
     for (int s = 0; s < kStages && c0 + s < c1; ++s) issue(s, first[s]);
     // The launch count: its round trip goes after the copies. The last CTA to start declares
-    // the launch shared (the answer, which says whether a peer made it solo first, is read
-    // after the scoring).
+    // the launch shared, without waiting for the answer: whether a peer made it solo first is
+    // read with the first page, like every CTA's (its own write is then seen).
     const uint64_t ctas = static_cast<uint64_t>(a.ctas_per_request);
     const uint64_t started = atom_add(&sync[2], 1);
     target = (started / ctas + 1) * ctas;
@@ -430,8 +434,7 @@ __global__ void __launch_bounds__(kThreads, kFused ? 3 : 1) index_decode_kernel(
       s_last_to_start = last_to_start;
     }
     if (last_to_start)
-      mode_seen =
-          atom_max(&sync[kModeWord], target << 2 | (a.force_solo ? kModeSolo : kModeShared));
+      red_max(&sync[kModeWord], target << 2 | (a.force_solo ? kModeSolo : kModeShared));
   }
   __syncthreads();
   // Fused: after the first index pages (the critical path), CTAs that may attend load q (the last
@@ -459,7 +462,7 @@ __global__ void __launch_bounds__(kThreads, kFused ? 3 : 1) index_decode_kernel(
     const int i = c - c0, s = i % kStages;
     bar_wait(&bars[s], (i / kStages) & 1);
     if (i == 0) INDEX_PHASE(1);
-    if (i == 0 && tid == 0 && !last_to_start && a.ctas_per_request > 1)
+    if (i == 0 && tid == 0 && a.ctas_per_request > 1)
       mode_seen = ld_relaxed(&sync[kModeWord]);  // used after the scoring: no wait here
     const unsigned char* page = stages + s * kPageBytes;
     float m = -INFINITY;
@@ -490,30 +493,25 @@ __global__ void __launch_bounds__(kThreads, kFused ? 3 : 1) index_decode_kernel(
   }
 
   INDEX_PHASE(2);
-  // The gate: shared mode, or solo (this CTA alone goes on, or it leaves). The indexer alone
-  // waits for no peer when every block is taken: it passes as shared.
+  // Arrived (thread 0 wrote this CTA's block scores), in every mode: a solo launch's last CTA
+  // waits for the same arrivals. Then the gate: shared mode, or solo (this CTA alone goes on, or
+  // it leaves). Arriving first keeps a CTA that polls the mode word off the barrier's critical
+  // path. The indexer alone waits for no peer when every block is taken: it passes as shared.
   if (tid == 0) {
+    red_release_add(&sync[0], 1);
     int g = kShared;
     if (a.ctas_per_request > 1 && (kFused || nblk > kTopK)) {
-      uint64_t mode;
-      if (last_to_start)  // its declaration stood unless a peer's claim came first
-        mode = (mode_seen >> 2) == target ? (mode_seen & 3u)
-                                          : (a.force_solo ? kModeSolo : kModeShared);
-      else
-        mode = launch_mode(&sync[kModeWord], c0 < c1 ? mode_seen : ld_relaxed(&sync[kModeWord]),
-                           target);
+      const uint64_t mode =
+          launch_mode(&sync[kModeWord], &sync[0], c0 < c1 ? mode_seen : 0, target);
       if (mode == kModeSolo) g = last_to_start ? kAlone : kLeave;
       if (g == kAlone) atomicAdd(&g_solo_requests, 1ull);
     }
     s_gate = g;
   }
   __syncthreads();
-  if (s_gate == kLeave) {  // counted as arrived and done; its scores are written
+  if (s_gate == kLeave) {  // arrived, counted done
     if constexpr (kFused) attnrt_cuda_common::cp_wait<0>();  // q's copy, if issued
-    if (tid == 0) {
-      red_release_add(&sync[0], 1);
-      red_release_add(&sync[1], 1);
-    }
+    if (tid == 0) red_release_add(&sync[1], 1);
     return;
   }
   const bool solo = s_gate == kAlone;
@@ -532,10 +530,8 @@ __global__ void __launch_bounds__(kThreads, kFused ? 3 : 1) index_decode_kernel(
       out[c * a.t_s2] = c;
       if constexpr (kFused) s_mine[c] = c;  // rank = id
     }
-    if (tid == 0) {
-      red_release_add(&sync[0], 1);  // counted, never waited for
-      if constexpr (!kFused) red_release_add(&sync[1], 1);
-    }
+    if constexpr (!kFused)
+      if (tid == 0) red_release_add(&sync[1], 1);
     if constexpr (!kFused) return;
   } else {
     // Otherwise the request's CTAs meet at a barrier (all have started: the gate), each ranks
@@ -543,11 +539,10 @@ __global__ void __launch_bounds__(kThreads, kFused ? 3 : 1) index_decode_kernel(
     // of rank < 16 to slot `rank`; the last CTA to finish that puts the 16 slots in id order.
     // The serial part is a few memory round trips, not a select over every block in one CTA.
     if (tid == 0) {
-      // Arrive with release semantics (this CTA's scores go first), then poll with acquire (the
+      // Arrived with release semantics (this CTA's scores go first); poll with acquire (the
       // peers' scores come after) until every CTA of the request has arrived: one memory round
       // trip after the last arrival, no generation to flip. Polled gently: up to a few hundred
       // threads of the grid spin while others still stream.
-      red_release_add(&sync[0], 1);
       attnrt_cuda_common::SpinWatch watch;
       while (ld_acquire(&sync[0]) < target) {
         __nanosleep(20);

@@ -37,10 +37,11 @@ struct IndexArgsBase {
 // word, (launch tag << 2) | mode, says how this launch runs: kModeShared once the request's last
 // CTA to start has said so (every peer has then started, so peers may wait for each other: each
 // waits only for work that started peers do without waiting); kModeSolo if a CTA found the
-// launch undecided for
-// kLeaveAfterNs after its scoring (peers may be unable to start: the GPU is shared) and claimed
-// it first. In solo mode every CTA leaves after scoring except the last to start, which ranks
-// and attends the request alone; it waits only for the arrivals of peers that have all started.
+// launch undecided for kLeaveAfterNs after its arrival (peers may be unable to start: the GPU is
+// shared) and claimed it first. Every CTA counts itself arrived once its block scores are
+// written, whatever the mode. In solo mode every CTA then leaves except the last to start, which
+// ranks and attends the request alone; it waits only for the arrivals of peers that have all
+// started.
 constexpr int kModeWord = 3;
 constexpr uint64_t kModeShared = 1, kModeSolo = 2;
 constexpr uint64_t kLeaveAfterNs = 50 * 1000;  // 50 us: every peer of a request starts in ~1 us
