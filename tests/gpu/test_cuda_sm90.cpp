@@ -2,17 +2,19 @@
 // its indexer and sparse attend, decode and extend, against the double-precision references of
 // sparse_harness.h (top-k ascending, unique, -1 padded, equal as sets up to near-ties, forced
 // blocks in; outputs within atol = rtol = 5e-3, lse 1e-3; repeats bit-identical; outputs
-// poisoned), sparse_decode (both in one launch) likewise, both ops or sparse_decode captured in
-// one CUDA graph and replayed after update_plan, a 512k context,
-// the probe's reasons by name, and run() refusing (before writing) a cache whose pages are not
-// contiguous.
+// poisoned), sparse_decode (both in one launch) likewise, also run solo (as when another kernel
+// holds the SMs its CTAs need, and really beside one), both ops or sparse_decode captured in
+// one CUDA graph and replayed after update_plan, a 512k context, the probe's reasons by name,
+// and run() refusing (before writing) a cache whose pages are not contiguous.
 // Every test skips without a CUDA device; on a device other than sm_90 only the probe test runs.
 // ATTNRT_GPU_BENCH=1 times it beside the generic cuda plugin on the M3 decode and extend shapes.
 #include <chrono>
 #include <sstream>
 #include <string>
+#include <thread>
 
 #include "l2_read_flush.h"
+#include "sm_occupier.h"
 #include "sparse_harness.h"
 
 namespace {
@@ -271,6 +273,19 @@ std::string plugin_error_after_failure(const attnrt_plugin_v1* plug) {
   return plug->synchronize({ATTNRT_DEVICE_CUDA, 0}) == ATTNRT_OK ? "" : plug->last_error();
 }
 
+// Requests whose decode launch ran solo so far (the plugin's attnrt_cuda_sm90_solo_requests).
+uint64_t solo_requests() {
+  void* h = dlopen(plugin_path().c_str(), RTLD_NOW | RTLD_LOCAL);  // loaded already: no init
+  const auto count =
+      h ? reinterpret_cast<uint64_t (*)()>(dlsym(h, "attnrt_cuda_sm90_solo_requests")) : nullptr;
+  if (h) dlclose(h);  // the harness keeps the plugin loaded, so `count` stays valid
+  if (!count) {
+    ADD_FAILURE() << "the plugin exports no attnrt_cuda_sm90_solo_requests";
+    return 0;
+  }
+  return count();
+}
+
 // Checks a sparse_decode output of B against the reference: top-k equal as sets (near ties
 // allowed), outputs and lse within tolerance. Prints `what` with the worst error.
 // check_sparse_decode() runs sparse_decode on B first.
@@ -321,6 +336,7 @@ TEST(CudaSm90, SparseDecodeMatchesReference) {
     for (int b = 0; b < n; ++b) kv.push_back(1 + static_cast<int>(rng() % max_kv));
     return kv;
   };
+  const uint64_t solo0 = solo_requests();
   const C cases[] = {
       {ATTNRT_BF16, false, true, 0, 1, {300}},
       {ATTNRT_BF16, true, true, 1, 2, {4000, 130, 9001, 2048}},
@@ -346,6 +362,8 @@ TEST(CudaSm90, SparseDecodeMatchesReference) {
                             " requests)");
     ++it;
   }
+  // Every CTA of a launch starts at once on an otherwise idle GPU: no request runs solo.
+  EXPECT_EQ(solo_requests(), solo0);
 }
 
 // sparse_decode on a strided pattern of near-winners: in the first request (2048 blocks) block
@@ -420,9 +438,9 @@ TEST(CudaSm90, SparseDecodeManyLaunchesAtBatch64) {
 }
 
 // Fault injection: ATTNRT_SM90_FAULT=barrier makes a decode plan start its requests' launch
-// counters off by one, so one CTA of each request waits at the top-16 barrier for an arrival that
-// never comes. The watchdog must turn that into a failed launch whose error says where, within
-// its 10 s, instead of a hang. Runs in a child process (the trap ends the CUDA context).
+// counters one launch ahead of their arrivals, so the CTAs of each request wait at the top-16
+// barrier for arrivals that never come. The watchdog must turn that into a failed launch whose
+// error says where, within its 10 s, instead of a hang. Runs in a child process (the trap ends the CUDA context).
 TEST(CudaSm90DeathTest, BrokenBarrierFailsInsteadOfHanging) {
   REQUIRE_HOPPER();
   GTEST_FLAG_SET(death_test_style, "threadsafe");
@@ -447,6 +465,125 @@ TEST(CudaSm90DeathTest, BrokenBarrierFailsInsteadOfHanging) {
   };
   EXPECT_EXIT(broken_step(), ::testing::ExitedWithCode(0),
               "cuda_sm90 watchdog: request 0 CTA [0-9]+ waited over 10 s");
+}
+
+// Sets an environment variable for the scope (plans read ATTNRT_SM90_FAULT when made).
+struct ScopedEnv {
+  const char* name;
+  ScopedEnv(const char* n, const char* v) : name(n) { setenv(n, v, 1); }
+  ~ScopedEnv() { unsetenv(name); }
+};
+
+// Solo mode (index_decode.h: the request's last CTA to start ranks and attends every block
+// alone, the others leave after scoring), forced by ATTNRT_SM90_FAULT=solo: sparse_decode and the
+// decode indexer against the reference on every path (at most 16 blocks, one request, a ragged
+// batch with forced blocks, sink and lse, f16), and every request counted as run solo (the
+// indexer alone runs a request of at most 16 blocks as shared: it waits for no peer). The test
+// below reaches solo mode for real.
+TEST(CudaSm90, SoloModeMatchesReference) {
+  REQUIRE_HOPPER();
+  const ScopedEnv fault("ATTNRT_SM90_FAULT", "solo");
+  const uint64_t solo0 = solo_requests();
+  uint64_t expected = 0;
+  struct C {
+    int dtype;
+    bool sink, lse;
+    int init, local;
+    std::vector<int32_t> kv;
+  };
+  const C cases[] = {
+      {ATTNRT_BF16, false, true, 0, 1, {300}},
+      {ATTNRT_BF16, true, true, 1, 2, {4000, 130, 9001, 2048}},
+      {ATTNRT_BF16, true, true, 1, 1, {65536}},
+      {ATTNRT_F16, false, true, 0, 1, {20000, 7777, 1, 33000}},
+  };
+  int it = 0;
+  for (const C& c : cases) {
+    SCOPED_TRACE(it);
+    const Batch B = make_batch(c.dtype, 16, 1, 1, 128, 128, std::vector<int32_t>(c.kv.size(), 1),
+                               c.kv, 1300 + it, true, true);
+    SparseParams S = m3_params(c.init, c.local);
+    S.sink = c.sink;
+    S.lse = c.lse;
+    check_sparse_decode(B, S, make_paging(B, 128, 131 + it), "solo case " + std::to_string(it));
+    expect_index_matches(decode_batch(c.dtype, c.kv, 1400 + it), m3_params(c.init, c.local),
+                         141 + it, true, "sm90 indexer solo", it);
+    // Two launches of each op (run_twice): sparse_decode runs every request solo, the indexer
+    // those of more than 16 blocks.
+    for (const int32_t kv : c.kv) expected += 2 + (kv > 16 * 128 ? 2 : 0);
+    ++it;
+  }
+  EXPECT_EQ(solo_requests() - solo0, expected);
+}
+
+// A decode step launched while another stream's kernel holds all but 4 multiprocessors: 12 of a
+// 64k request's ~260 CTAs fit at a time, so they cannot all start together. The step must finish
+// (solo mode) with the reference's answer, sparse_decode and the indexer alone; waiting for peers
+// that cannot start would instead hang until the watchdog failed the launch after 10 s.
+TEST(CudaSm90, DecodeFinishesBesideAKernelHoldingMostSms) {
+  REQUIRE_HOPPER();
+  const Batch B = make_batch(ATTNRT_BF16, 16, 1, 1, 128, 128, {1}, {65536}, 1500, true, true);
+  SparseParams S = m3_params(1, 2);
+  S.sink = true;
+  const Paging P = make_paging(B, 128, 151);
+  DeviceBatch D(B, P, S, ATTNRT_OP_SPARSE_DECODE);
+  for (const int op : {ATTNRT_OP_SPARSE_DECODE, ATTNRT_OP_SPARSE_INDEX_DECODE}) {
+    SCOPED_TRACE(op);
+    attnrt_problem p = problem_of(op, B, S, 128);
+    attnrt_layout L = layout_of(B, P);
+    attnrt_plan plan = nullptr;
+    ASSERT_EQ(g_plugin->plan(&p, &L, &plan), ATTNRT_OK) << g_plugin->last_error();
+    const attnrt_tensors ts = D.tensors(op);
+    D.poison();
+    cudaStream_t held, st;
+    ASSERT_EQ(cudaStreamCreateWithFlags(&held, cudaStreamNonBlocking), cudaSuccess);
+    ASSERT_EQ(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), cudaSuccess);
+    SmOccupier occ;
+    ASSERT_EQ(sm_occupier_start(4, 30000, held, &occ), cudaSuccess);
+    const uint64_t solo0 = solo_requests();
+    const auto t0 = std::chrono::steady_clock::now();
+    const int32_t r = g_plugin->run(plan, &ts, st);
+    cudaError_t q = cudaErrorNotReady;
+    while ((q = cudaStreamQuery(st)) == cudaErrorNotReady &&
+           std::chrono::steady_clock::now() - t0 < std::chrono::seconds(20))
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    const double ms =
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    int still_held = 0;  // the occupier's CTAs still running once the step is over
+    for (int i = 0; i < occ.ctas; ++i) still_held += occ.running[i];
+    EXPECT_EQ(sm_occupier_release(&occ, held), cudaSuccess);
+    ASSERT_EQ(r, ATTNRT_OK) << g_plugin->last_error();
+    ASSERT_EQ(q, cudaSuccess) << "the step did not finish beside the occupier ("
+                              << cudaGetErrorString(q) << "); "
+                              << plugin_error_after_failure(g_plugin);
+    EXPECT_EQ(still_held, occ.ctas) << "the multiprocessors were not held for the whole step";
+    EXPECT_EQ(solo_requests() - solo0, 1u) << "the request did not run solo";
+    std::printf("sm90 op %d beside %d held multiprocessors: %.2f ms\n", op, occ.ctas, ms);
+    auto check = [&](const char* what) {
+      SparseDecodeOut got;
+      got.topk = D.topk_host();
+      if (op == ATTNRT_OP_SPARSE_DECODE) {
+        got.att = D.att_host();
+        check_sparse_decode_out(B, S, got, what);
+      } else {
+        int ties = 0;
+        check_topk(B, S, got.topk, ref_scores(B, S), &ties);
+      }
+    };
+    check("beside an occupier");
+    // The same plan on the freed GPU: shared again, its counters still in step.
+    D.poison();
+    const uint64_t solo1 = solo_requests();
+    ASSERT_EQ(g_plugin->run(plan, &ts, st), ATTNRT_OK) << g_plugin->last_error();
+    const cudaError_t e = cudaStreamSynchronize(st);
+    ASSERT_EQ(e, cudaSuccess) << cudaGetErrorString(e) << "; "
+                              << plugin_error_after_failure(g_plugin);
+    EXPECT_EQ(solo_requests(), solo1) << "a launch on the free GPU ran solo";
+    check("then on the free GPU");
+    cudaStreamDestroy(st);
+    cudaStreamDestroy(held);
+    g_plugin->destroy_plan(plan);
+  }
 }
 
 // Winners that cluster: a CTA ranks several of the 16 (it keeps its best, or every one goes to

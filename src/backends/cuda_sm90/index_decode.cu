@@ -1,18 +1,23 @@
 // Fused decode indexer for the cuda_sm90 plugin (see index_decode.h).
 //
 // One launch does the whole op. Grid: ctas_per_request CTAs per request, each scoring a range of
-// blocks_per_cta blocks (the plan sizes them so the grid is one wave of resident CTAs; with more
-// than one CTA per request the launch is cooperative, so that holds). A block is one page, 32 KB
-// contiguous, so a single Hopper bulk copy (cp.async.bulk, completion counted by an mbarrier)
-// brings it into shared memory; two stages keep the next page in flight while the 4 warps score
-// the current one (8 threads per key row, 16 dims each, shuffle-reduced; the block's max over keys
-// j < kv_len). Top-16: the request's CTAs meet at a barrier, each ranks its own blocks against all
-// of the request's scores (ties to the lowest ids, forced init/local blocks, NaN -> -1e30) and
-// writes those of rank < 16 to their slot; the last CTA to finish puts the 16 slots in ascending
-// id order. Padding is -1. The request's counters only grow, so the next launch, or a captured
-// graph's replay, needs no reset. Every wait for the request's peers is watched
-// (cuda_common/spin_wait.cuh): one still waiting after 10 s records where in the host-visible
-// WaitRecord and traps, so a broken barrier fails the launch instead of hanging the device.
+// blocks_per_cta blocks (the plan sizes them so the grid is one wave of resident CTAs). A block
+// is one page, 32 KB contiguous, so a single Hopper bulk copy (cp.async.bulk, completion counted
+// by an mbarrier) brings it into shared memory; two stages keep the next page in flight while the
+// 4 warps score the current one (8 threads per key row, 16 dims each, shuffle-reduced; the
+// block's max over keys j < kv_len). Top-16: the request's CTAs meet at a barrier, each ranks its
+// own blocks against all of the request's scores (ties to the lowest ids, forced init/local
+// blocks, NaN -> -1e30) and writes those of rank < 16 to their slot; the last CTA to finish puts
+// the 16 slots in ascending id order. Padding is -1. The request's counters only grow, so the
+// next launch, or a captured graph's replay, needs no reset.
+//
+// CTAs wait for their peers only once the launch's mode word says every peer has started
+// (index_decode.h): the launch is not cooperative, so that it neither pays the cooperative
+// launch's cost (~1 us at batch 1) nor hangs when another kernel holds the SMs that some of its
+// CTAs need; then it runs solo, the request's last CTA to start doing the ranking and attention
+// alone. Every wait for peers is watched (cuda_common/spin_wait.cuh): one still waiting after
+// 10 s records where in the host-visible WaitRecord and traps, so a broken barrier fails the
+// launch instead of hanging the device.
 //
 // Fused with the attend (launch_sparse_decode, op sparse_decode; decode_block_attend.cuh): each
 // top-16 block is attended by one CTA of its request. CTA p attends ranks p, p + P, ... (P CTAs a
@@ -95,14 +100,52 @@ __device__ __forceinline__ void st_relaxed(uint64_t* p, uint64_t v) {
 __device__ __forceinline__ uint64_t atom_add(uint64_t* p, uint64_t v) {
   return atomicAdd(reinterpret_cast<unsigned long long*>(p), static_cast<unsigned long long>(v));
 }
+__device__ __forceinline__ void red_max(uint64_t* p, uint64_t v) {
+  asm volatile("red.relaxed.gpu.global.max.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ uint64_t atom_cas(uint64_t* p, uint64_t expected, uint64_t v) {
+  return atomicCAS(reinterpret_cast<unsigned long long*>(p),
+                   static_cast<unsigned long long>(expected), static_cast<unsigned long long>(v));
+}
+__device__ __forceinline__ uint64_t ld_relaxed(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// This launch's mode (index_decode.h), by thread 0 of a CTA once it has arrived (the last to
+// start finds its own declaration, or a peer's earlier claim): `seen` is the mode word as read while it scored. A stale word is
+// polled together with the arrivals: once every CTA has arrived, the last to start has declared
+// (before its arrival), so the next read decides. If the launch is still undecided after
+// kLeaveAfterNs, the first CTA to claim it makes it solo.
+__device__ __forceinline__ uint64_t launch_mode(uint64_t* word, const uint64_t* arrivals,
+                                                uint64_t seen, uint64_t tag) {
+  const uint64_t t0 = attnrt_cuda_common::globaltimer_ns();
+  while ((seen >> 2) < tag) {
+    const uint64_t now = ld_relaxed(word), arrived = ld_acquire(arrivals);  // both in flight
+    if ((now >> 2) >= tag) return now & 3u;
+    if (arrived >= tag) continue;
+    if (attnrt_cuda_common::globaltimer_ns() - t0 >= kLeaveAfterNs) {
+      // Only this launch's CTAs write this tag, and the launches before it have ended: a failed
+      // claim returns this launch's mode.
+      const uint64_t was = atom_cas(word, now, tag << 2 | kModeSolo);
+      return was == now ? kModeSolo : (was & 3u);
+    }
+    __nanosleep(64);
+  }
+  return seen & 3u;
+}
 
 // One CTA of the launch writes the wait record (index_decode.h).
 __device__ unsigned g_wait_record_claimed;
 
-// A wait for the request's peers outlasted the watchdog (a bug: co-resident peers arrive within
-// milliseconds). The first CTA to get here records where (which wait, the target, the request's
-// counters and words) in host memory; every such CTA then traps, so the launch fails with an
-// error instead of spinning forever.
+// Requests that ran solo, over every launch (index_decode_solo_requests()).
+__device__ unsigned long long g_solo_requests;
+
+// A wait for the request's peers outlasted the watchdog (a bug: peers that have all started
+// arrive within milliseconds). The first CTA to get here records where (which wait, the target,
+// the request's counters and words) in host memory; every such CTA then traps, so the launch
+// fails with an error instead of spinning forever.
 __device__ __noinline__ void give_up_wait(WaitRecord* rec, int32_t wait, int b, int part, int rank,
                                           uint64_t target, const uint64_t* sync) {
   if (rec != nullptr && atomicCAS(&g_wait_record_claimed, 0u, 1u) == 0u) {
@@ -139,7 +182,8 @@ __device__ __forceinline__ float dot8(uint4 v, const float* q) {
   return acc;
 }
 
-// Fused: which selected blocks CTA `part` of the request attends (P = ctas_per_request):
+// Fused: which selected blocks CTA `part` of the request attends (P = stride: ctas_per_request,
+// or 1 when one CTA attends them all):
 // - own_first (>= 0 with P >= kKeepBestCtas): the best block it ranked, loaded at once;
 // - the ranks part, part + P, ... that their rankers did not keep: its own, the rank itself when
 //   every block is taken, else the block published in the request's word of that rank (once its
@@ -150,7 +194,8 @@ __device__ __forceinline__ float dot8(uint4 v, const float* q) {
 // with q's copy into sQ issued. Returns how many ranks the CTA attends (s_sel_rank), maybe 0.
 template <typename T>
 __device__ __forceinline__ int attend_selected(const SparseDecodeArgs& a, int b, int part,
-                                               int keff, bool all_taken, int own_first, int kv,
+                                               int stride, int keff, bool all_taken,
+                                               int own_first, int kv,
                                                const int32_t* pages, const uint64_t* published,
                                                uint32_t tag, unsigned char* stages, const T* sQ,
                                                const int* s_mine, int* s_help, int* s_sel_block,
@@ -167,7 +212,6 @@ __device__ __forceinline__ int attend_selected(const SparseDecodeArgs& a, int b,
                   a.att.v_s0, a.att.v_s1, min(kBlock, kv - c * kBlock));
   };
   if (own_first >= 0) load(s_mine[own_first]);  // before any wait for a published word
-  const int stride = a.ctas_per_request;
   const int nhelp = part < keff ? (keff - part + stride - 1) / stride : 0;
   if (tid < nhelp) {
     const int r = part + tid * stride;
@@ -332,8 +376,11 @@ __global__ void __launch_bounds__(kThreads, kFused ? 3 : 1) index_decode_kernel(
   // may take for their rankers; the ranks it attends and their blocks.
   __shared__ int s_mine[kTopK], s_help[kTopK], s_sel_block[kTopK], s_sel_rank[kTopK], s_nsel;
   __shared__ uint32_t s_tag;  // fused: this launch's tag of the published ranks
+  __shared__ bool s_last_to_start;  // fused: the CTA that would attend alone in solo mode
   __shared__ int s_heads[kHeads], s_nheads;  // fused: the heads this CTA merges
   __shared__ PartialShared s_part;
+  __shared__ int s_gate;  // kShared, kAlone (solo, this CTA does the work) or kLeave
+  enum { kShared, kAlone, kLeave };
 
   INDEX_PHASE(0);
   if constexpr (!kFused)
@@ -351,6 +398,10 @@ __global__ void __launch_bounds__(kThreads, kFused ? 3 : 1) index_decode_kernel(
   // reaches (thread 0 holds it) follows from the launches before it; no reset at the end.
   uint64_t* sync = a.sync + kSyncWords * b;
   uint64_t target = 0;
+  // Thread 0: whether this CTA is the request's last to start; the mode word as read while
+  // scoring (index_decode.h).
+  bool last_to_start = false;
+  uint64_t mode_seen = 0;
   const T* kc = static_cast<const T*>(a.kc);
   T* sQ = reinterpret_cast<T*>(stages + kStages * kPageBytes);  // fused: the attention's q
   if constexpr (kFused) {
@@ -371,17 +422,25 @@ __global__ void __launch_bounds__(kThreads, kFused ? 3 : 1) index_decode_kernel(
     for (int s = 0; s < kStages; ++s) first[s] = c0 + s < c1 ? pages[c0 + s] : 0;
     if (c0 + kStages < c1) next_page = pages[c0 + kStages];
     for (int s = 0; s < kStages && c0 + s < c1; ++s) issue(s, first[s]);
-    // The launch count is needed at the barrier only: its round trip goes after the copies.
+    // The launch count: its round trip goes after the copies. The last CTA to start declares
+    // the launch shared, without waiting for the answer: whether a peer made it solo first is
+    // read with the first page, like every CTA's (its own write is then seen).
     const uint64_t ctas = static_cast<uint64_t>(a.ctas_per_request);
-    target = (atom_add(&sync[2], 1) / ctas + 1) * ctas;
-    if constexpr (kFused) s_tag = static_cast<uint32_t>(target);
+    const uint64_t started = atom_add(&sync[2], 1);
+    target = (started / ctas + 1) * ctas;
+    last_to_start = ctas > 1 && started + 1 == target;
+    if constexpr (kFused) {
+      s_tag = static_cast<uint32_t>(target);
+      s_last_to_start = last_to_start;
+    }
+    if (last_to_start)
+      red_max(&sync[kModeWord], target << 2 | (a.force_solo ? kModeSolo : kModeShared));
   }
   __syncthreads();
-  if constexpr (kFused) {  // after the first index pages (the critical path); CTAs that may attend
-    if (c0 < c1 || part < min(kTopK, nblk))
-      load_q(sQ, static_cast<const T*>(a.att.q) + static_cast<int64_t>(b) * a.att.q_s0,
-             a.att.q_s1);
-  }
+  // Fused: after the first index pages (the critical path), CTAs that may attend load q (the last
+  // to start attends every block in solo mode).
+  if (kFused && (c0 < c1 || part < min(kTopK, nblk) || s_last_to_start))
+    load_q(sQ, static_cast<const T*>(a.att.q) + static_cast<int64_t>(b) * a.att.q_s0, a.att.q_s1);
 
   // This thread's 16 query dims: [8*sub, 8*sub+8) and [64+8*sub, 64+8*sub+8).
   const int sub = tid & 7;
@@ -403,6 +462,8 @@ __global__ void __launch_bounds__(kThreads, kFused ? 3 : 1) index_decode_kernel(
     const int i = c - c0, s = i % kStages;
     bar_wait(&bars[s], (i / kStages) & 1);
     if (i == 0) INDEX_PHASE(1);
+    if (i == 0 && tid == 0 && a.ctas_per_request > 1)
+      mode_seen = ld_relaxed(&sync[kModeWord]);  // used after the scoring: no wait here
     const unsigned char* page = stages + s * kPageBytes;
     float m = -INFINITY;
 #pragma unroll 4
@@ -432,33 +493,56 @@ __global__ void __launch_bounds__(kThreads, kFused ? 3 : 1) index_decode_kernel(
   }
 
   INDEX_PHASE(2);
+  // Arrived (thread 0 wrote this CTA's block scores), in every mode: a solo launch's last CTA
+  // waits for the same arrivals. Then the gate: shared mode, or solo (this CTA alone goes on, or
+  // it leaves). Arriving first keeps a CTA that polls the mode word off the barrier's critical
+  // path. The indexer alone waits for no peer when every block is taken: it passes as shared.
+  if (tid == 0) {
+    red_release_add(&sync[0], 1);
+    int g = kShared;
+    if (a.ctas_per_request > 1 && (kFused || nblk > kTopK)) {
+      const uint64_t mode =
+          launch_mode(&sync[kModeWord], &sync[0], c0 < c1 ? mode_seen : 0, target);
+      if (mode == kModeSolo) g = last_to_start ? kAlone : kLeave;
+      if (g == kAlone) atomicAdd(&g_solo_requests, 1ull);
+    }
+    s_gate = g;
+  }
+  __syncthreads();
+  if (s_gate == kLeave) {  // arrived, counted done
+    if constexpr (kFused) attnrt_cuda_common::cp_wait<0>();  // q's copy, if issued
+    if (tid == 0) red_release_add(&sync[1], 1);
+    return;
+  }
+  const bool solo = s_gate == kAlone;
+  // Solo: this CTA ranks (and attends) every block of the request.
+  const int rank_c0 = solo ? 0 : c0;
+
   // Selection. Every block is taken when there are at most 16: no CTA waits for another.
   const int nvis = nblk;  // decode: the query sits at kv_len - 1
+  const int rank_c1 = solo ? nvis : c1;
   const int keff = min(kTopK, nvis);
   int32_t* out = a.topk + static_cast<int64_t>(b) * a.t_s1;
-  if (part == 0)
+  if (part == 0 || solo)
     for (int k = keff + tid; k < kTopK; k += kThreads) out[k * a.t_s2] = -1;
   if (nvis <= kTopK) {
-    for (int c = c0 + tid; c < c1; c += kThreads) {
+    for (int c = rank_c0 + tid; c < rank_c1; c += kThreads) {
       out[c * a.t_s2] = c;
       if constexpr (kFused) s_mine[c] = c;  // rank = id
     }
-    if (tid == 0) {
-      red_release_add(&sync[0], 1);  // counted, never waited for
-      if constexpr (!kFused) red_release_add(&sync[1], 1);
-    }
+    if constexpr (!kFused)
+      if (tid == 0) red_release_add(&sync[1], 1);
     if constexpr (!kFused) return;
   } else {
-    // Otherwise the request's CTAs meet at a barrier (they are co-resident: a cooperative launch),
-    // each ranks its own blocks against all of the request's block scores and writes every block
+    // Otherwise the request's CTAs meet at a barrier (all have started: the gate), each ranks
+    // its own blocks against all of the request's block scores and writes every block
     // of rank < 16 to slot `rank`; the last CTA to finish that puts the 16 slots in id order.
     // The serial part is a few memory round trips, not a select over every block in one CTA.
     if (tid == 0) {
-      // Arrive with release semantics (this CTA's scores go first), then poll with acquire (the
+      // Arrived with release semantics (this CTA's scores go first); poll with acquire (the
       // peers' scores come after) until every CTA of the request has arrived: one memory round
       // trip after the last arrival, no generation to flip. Polled gently: up to a few hundred
       // threads of the grid spin while others still stream.
-      red_release_add(&sync[0], 1);
       attnrt_cuda_common::SpinWatch watch;
       while (ld_acquire(&sync[0]) < target) {
         __nanosleep(20);
@@ -479,7 +563,7 @@ __global__ void __launch_bounds__(kThreads, kFused ? 3 : 1) index_decode_kernel(
     // rank(c) = how many blocks precede c in the order (key descending, then id ascending); one
     // warp per block, 256 rivals a step (8 a lane: the step is a latency chain, so wide), stopping
     // once 16 precede it.
-    for (int c = c0 + warp; c < c1; c += kThreads / 32) {
+    for (int c = rank_c0 + warp; c < rank_c1; c += kThreads / 32) {
       const uint32_t kc = keys[c];
       int rank = 0;
       for (int r0 = 0; r0 < nvis && rank < keff; r0 += 256) {
@@ -515,19 +599,20 @@ __global__ void __launch_bounds__(kThreads, kFused ? 3 : 1) index_decode_kernel(
     // the request's word of that rank, tagged with the launch ("taken", -1, for own_first).
     // Every warp finds own_first.
     const bool all_taken = nvis <= kTopK;
-    const bool self_first = a.ctas_per_request >= kKeepBestCtas && !all_taken;
+    const bool self_first = !solo && a.ctas_per_request >= kKeepBestCtas && !all_taken;
     const unsigned owned = __ballot_sync(0xffffffffu, lane < kTopK && s_mine[lane] >= 0);
     const int own_first = self_first && owned != 0u ? __ffs(owned) - 1 : -1;
-    if (!all_taken && warp == 0 && lane < kTopK && s_mine[lane] >= 0) {
+    if (!solo && !all_taken && warp == 0 && lane < kTopK && s_mine[lane] >= 0) {
       const uint32_t c = lane == own_first ? 0xffffffffu : static_cast<uint32_t>(s_mine[lane]);
       st_relaxed(&sync[kRankWords + lane], (static_cast<uint64_t>(s_tag) << 32) | c);
     }
-    if (part >= keff && own_first < 0) {  // attends nothing; its ranks are published
+    if (!solo && part >= keff && own_first < 0) {  // attends nothing; its ranks are published
       attnrt_cuda_common::cp_wait<0>();  // q's copy, if issued
       if (tid == 0) red_release_add(&sync[1], 1);
       return;
     }
-    const int nsel = attend_selected<T>(a, b, part, keff, all_taken, own_first, kv, pages,
+    const int nsel = attend_selected<T>(a, b, solo ? 0 : part, solo ? 1 : a.ctas_per_request,
+                                        keff, all_taken, own_first, kv, pages,
                                         sync + kRankWords, s_tag, stages, sQ, s_mine, s_help,
                                         s_sel_block, s_sel_rank, s_nsel, s_part);
     INDEX_PHASE(7);
@@ -537,10 +622,10 @@ __global__ void __launch_bounds__(kThreads, kFused ? 3 : 1) index_decode_kernel(
     __syncthreads();
     if (tid == 0) red_release_add(&sync[1], 1);
     if (nsel == 0) return;  // its rank's ranker attends it
-    // A slot holder waits for every CTA of the request (co-resident: a cooperative launch, or
-    // alone), then merges its share of the heads: the merge is spread over up to 16 CTAs
-    // instead of 16 heads' loads in one.
-    if (tid == 0) {
+    // A slot holder waits for every CTA of the request (all started: the gate), then merges its
+    // share of the heads: the merge is spread over up to 16 CTAs instead of 16 heads' loads in
+    // one. Solo, this CTA holds every partial.
+    if (tid == 0 && s_gate != kAlone) {  // s_gate, not solo: one register less in the attend
       attnrt_cuda_common::SpinWatch watch;
       while (ld_acquire(&sync[1]) < target) {
         __nanosleep(20);
@@ -558,7 +643,7 @@ __global__ void __launch_bounds__(kThreads, kFused ? 3 : 1) index_decode_kernel(
   } else {
     if (tid == 0) {
       __threadfence();
-      s_last = atom_add(&sync[1], 1) + 1 == target;
+      s_last = atom_add(&sync[1], 1) + 1 == target || solo;
     }
     __syncthreads();
     if (!s_last || warp != 0) return;
@@ -583,19 +668,13 @@ cudaError_t launch_t(const SparseDecodeArgs& a, cudaStream_t st) {
     return e;
   const int64_t grid = static_cast<int64_t>(a.n) * a.ctas_per_request;
   if (grid <= 0) return cudaSuccess;
-  // Cooperative when a request has several CTAs: the launch fails rather than leave a CTA
-  // waiting at the barrier for a peer that cannot become resident. One CTA per request waits for
-  // nobody, so a batch larger than one wave launches plainly.
+  // Not cooperative: a request's CTAs wait for each other only once all have started (the
+  // gate), so they need no guarantee to be resident together.
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = dim3(static_cast<unsigned>(grid));
   cfg.blockDim = dim3(kThreads);
   cfg.dynamicSmemBytes = static_cast<size_t>(smem);
   cfg.stream = st;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeCooperative;
-  attr[0].val.cooperative = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = a.ctas_per_request > 1 ? 1 : 0;
   return cudaLaunchKernelEx(&cfg, kernel, a);
 }
 
@@ -620,6 +699,12 @@ int resident_ctas(int sms, int* ctas) {
 }
 
 }  // namespace
+
+uint64_t index_decode_solo_requests() {
+  unsigned long long n = 0;
+  if (cudaMemcpyFromSymbol(&n, g_solo_requests, sizeof n) != cudaSuccess) return UINT64_MAX;
+  return n;
+}
 
 int index_decode_resident_ctas(int sms, bool fused, int* ctas) {
   return fused ? resident_ctas<true>(sms, ctas) : resident_ctas<false>(sms, ctas);

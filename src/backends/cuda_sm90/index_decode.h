@@ -29,10 +29,23 @@ struct IndexArgsBase {
   float scale;             // index_scale
 };
 
-// A request's words: counters [arrivals, CTAs done, launches], then (sparse_decode) the block
-// of each rank < 16, published as (launch tag << 32) | block id (0xffffffff: its ranker keeps
-// it).
-constexpr int kRankWords = 3;
+// A request's words: counters [arrivals, CTAs done, launches], the launch's mode word, then
+// (sparse_decode) the block of each rank < 16, published as (launch tag << 32) | block id
+// (0xffffffff: its ranker keeps it).
+//
+// The request's CTAs need not be resident together (the launch is not cooperative). The mode
+// word, (launch tag << 2) | mode, says how this launch runs: kModeShared once the request's last
+// CTA to start has said so (every peer has then started, so peers may wait for each other: each
+// waits only for work that started peers do without waiting); kModeSolo if a CTA found the
+// launch undecided for kLeaveAfterNs after its arrival (peers may be unable to start: the GPU is
+// shared) and claimed it first. Every CTA counts itself arrived once its block scores are
+// written, whatever the mode. In solo mode every CTA then leaves except the last to start, which
+// ranks and attends the request alone; it waits only for the arrivals of peers that have all
+// started.
+constexpr int kModeWord = 3;
+constexpr uint64_t kModeShared = 1, kModeSolo = 2;
+constexpr uint64_t kLeaveAfterNs = 50 * 1000;  // 50 us: every peer of a request starts in ~1 us
+constexpr int kRankWords = 4;
 constexpr int kSyncWords = kRankWords + kTopK;
 
 // Where a wait for a request's peers gave up (cuda_common/spin_wait.cuh's watchdog): written
@@ -52,6 +65,7 @@ struct IndexDecodeArgs : IndexArgsBase {
   uint64_t* sync;          // [n][kSyncWords] counters, zero before the plan's first launch
   WaitRecord* wait_record; // device address of host memory; null: give up without a record
   int n, block_capacity, blocks_per_cta, ctas_per_request;
+  int force_solo;          // fault injection: the last CTA to start declares solo mode
 };
 
 // The whole sparse decode step (op sparse_decode): the indexer above, then the attention of the
@@ -72,8 +86,12 @@ struct SparseDecodeArgs : IndexDecodeArgs {
 int launch_index_decode(const IndexDecodeArgs& a, int dtype, void* stream);
 int launch_sparse_decode(const SparseDecodeArgs& a, int dtype, void* stream);
 // How many CTAs of the indexer (fused: with the attend) the device holds at once (`sms`
-// multiprocessors): a launch with several CTAs per request may have no more, since they wait
-// for each other. Returns a cudaError_t as int.
+// multiprocessors): the plan sizes the grid to one such wave, in which a request's CTAs start
+// together and share its work. Returns a cudaError_t as int.
 int index_decode_resident_ctas(int sms, bool fused, int* ctas);
+// Requests whose decode launch ran solo since the plugin was loaded, every device of the process
+// counted on the current one (UINT64_MAX if it cannot be read). A free GPU runs none solo; a
+// count that grows says another kernel kept the decode's CTAs from starting together.
+uint64_t index_decode_solo_requests();
 
 }  // namespace attnrt_cuda_sm90

@@ -108,15 +108,17 @@ int32_t with_wait_note(int32_t status) {
       rank >= 0 && rank < kTopK ? r->sync[attnrt_cuda_sm90::kRankWords + rank] : 0;
   std::snprintf(g_error, sizeof g_error,
                 "%s; cuda_sm90 watchdog: request %d CTA %d waited over %llu s for %s (target "
-                "%llu; arrivals %llu, done %llu, launches %llu; rank %d, its word: tag %llu, "
-                "block %d): a bug in the decode indexer's barrier, please report this line",
+                "%llu; arrivals %llu, done %llu, launches %llu, mode word %llu; rank %d, its "
+                "word: tag %llu, block %d): a bug in the decode indexer's barrier, please report "
+                "this line",
                 msg.c_str(), r->request, r->cta,
                 static_cast<unsigned long long>(attnrt_cuda_common::kSpinWatchdogNs / 1000000000),
                 kWhat[r->wait < 0 || r->wait > 2 ? 0 : r->wait],
                 static_cast<unsigned long long>(r->target),
                 static_cast<unsigned long long>(r->sync[0]),
                 static_cast<unsigned long long>(r->sync[1]),
-                static_cast<unsigned long long>(r->sync[2]), rank,
+                static_cast<unsigned long long>(r->sync[2]),
+                static_cast<unsigned long long>(r->sync[attnrt_cuda_sm90::kModeWord]), rank,
                 static_cast<unsigned long long>(word >> 32), static_cast<int>(word & 0xffffffffu));
   return status;
 }
@@ -142,6 +144,7 @@ struct Sm90Plan {
   int64_t tokens = 0;
   int page_capacity = 0, block_capacity = 0;
   int blocks_per_cta = 2, ctas_per_request = 1;  // decode indexer
+  bool force_solo = false;  // decode indexer: fault injection (ATTNRT_SM90_FAULT=solo)
   int attend_parts = 16;                         // decode attend: CTAs per request
   int num_items = 0;                             // extend indexer
   int32_t *d_kv_len = nullptr, *d_page_indptr = nullptr, *d_page_ids = nullptr;
@@ -335,9 +338,9 @@ int32_t plan_impl(const attnrt_problem* p, const attnrt_layout* L, Sm90Plan* pl)
   pl->page_capacity = std::max(2 * total_pages, total_pages + 16 * n);
   if (int32_t s = check_layout(L, pl->block_capacity, pl->page_capacity); s != ATTNRT_OK) return s;
   // Work split: as many blocks per CTA as makes one wave of resident CTAs (3 per SM by shared
-  // memory) cover the batch, and at least 2 (both stages in flight). The CTAs of a request wait
-  // for each other, so with more than one per request the grid must fit that wave (it does:
-  // ctas_per_request <= per_request).
+  // memory) cover the batch, and at least 2 (both stages in flight). A request's CTAs then start
+  // together and share its work; were some of them kept from starting (another kernel holding
+  // the SMs), the launch runs solo instead (index_decode.h), slower but correct.
   CK(cudaSetDevice(p->device.index));
   int slots = 0;
   const bool fused = p->op == ATTNRT_OP_SPARSE_DECODE;
@@ -355,13 +358,19 @@ int32_t plan_impl(const attnrt_problem* p, const attnrt_layout* L, Sm90Plan* pl)
     const size_t words = sizeof(uint64_t) * attnrt_cuda_sm90::kSyncWords * std::max(n, 1);
     CK(cudaMalloc(reinterpret_cast<void**>(&pl->d_sync), words));
     CK(cudaMemset(pl->d_sync, 0, words));
-    // Fault injection for the watchdog's test: every request's launch count off by one, so the
-    // CTAs of a launch disagree on the arrivals they wait for (one waits forever).
-    if (const char* f = std::getenv("ATTNRT_SM90_FAULT"); f && std::strcmp(f, "barrier") == 0) {
+    // Fault injection. "barrier", for the watchdog's test: every request's launch count one
+    // launch ahead of its arrivals, so the CTAs of a launch wait at the top-16 barrier for
+    // arrivals that never come. "solo": the launches run solo (index_decode.h) as when some of
+    // a request's CTAs cannot start.
+    const char* fault = std::getenv("ATTNRT_SM90_FAULT");
+    if (fault && std::strcmp(fault, "barrier") == 0) {
       std::vector<uint64_t> w(words / sizeof(uint64_t), 0);
-      for (int b = 0; b < n; ++b) w[static_cast<size_t>(b) * attnrt_cuda_sm90::kSyncWords + 2] = 1;
+      for (int b = 0; b < n; ++b)
+        w[static_cast<size_t>(b) * attnrt_cuda_sm90::kSyncWords + 2] =
+            static_cast<uint64_t>(pl->ctas_per_request);
       CK(cudaMemcpy(pl->d_sync, w.data(), words, cudaMemcpyHostToDevice));
     }
+    pl->force_solo = fault && std::strcmp(fault, "solo") == 0;
     CK(attnrt_cuda_common::land_host_writes());  // zero before any stream's first launch
     allocate_wait_record();  // here, not in run(): run() allocates nothing (graph capture)
     CK(cudaMalloc(reinterpret_cast<void**>(&pl->d_scores),
@@ -448,6 +457,7 @@ void index_decode_args(const Sm90Plan& pl, attnrt_cuda_sm90::IndexDecodeArgs* a)
   a->block_capacity = pl.block_capacity;
   a->blocks_per_cta = pl.blocks_per_cta;
   a->ctas_per_request = pl.ctas_per_request;
+  a->force_solo = pl.force_solo ? 1 : 0;
 }
 
 int32_t run_index(const Sm90Plan& pl, const attnrt_tensors* t, void* stream) {
@@ -646,4 +656,8 @@ extern "C" {
 ATTNRT_PLUGIN_EXPORT extern const uint32_t attnrt_plugin_abi_version;
 const uint32_t attnrt_plugin_abi_version = ATTNRT_PLUGIN_ABI_VERSION;
 ATTNRT_PLUGIN_EXPORT const attnrt_plugin_v1* attnrt_plugin_get(void) { return &kTable; }
+// Diagnostic beside the ABI (index_decode.h): requests whose decode launch ran solo so far.
+ATTNRT_PLUGIN_EXPORT uint64_t attnrt_cuda_sm90_solo_requests(void) {
+  return attnrt_cuda_sm90::index_decode_solo_requests();
+}
 }
