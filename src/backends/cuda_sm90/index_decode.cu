@@ -113,15 +113,16 @@ __device__ __forceinline__ uint64_t ld_relaxed(const uint64_t* p) {
   return v;
 }
 
-// This launch's mode (index_decode.h), by thread 0 of a CTA once it has arrived (the last to
-// start finds its own declaration, or a peer's earlier claim): `seen` is the mode word as read while it scored. A stale word is
-// polled together with the arrivals: once every CTA has arrived, the last to start has declared
-// (before its arrival), so the next read decides. If the launch is still undecided after
-// kLeaveAfterNs, the first CTA to claim it makes it solo.
+// This launch's mode (index_decode.h), by thread 0 of a CTA once it has arrived: `seen` is the
+// mode word as read while it scored (the last to start then finds its own declaration, or a
+// peer's earlier claim). A stale word is polled together with the arrivals: once every CTA has
+// arrived, the last to start has declared (before its arrival), so the next read decides. If the
+// launch is still undecided after kLeaveAfterNs, the first CTA to claim it makes it solo.
 __device__ __forceinline__ uint64_t launch_mode(uint64_t* word, const uint64_t* arrivals,
                                                 uint64_t seen, uint64_t tag) {
+  if ((seen >> 2) >= tag) return seen & 3u;
   const uint64_t t0 = attnrt_cuda_common::globaltimer_ns();
-  while ((seen >> 2) < tag) {
+  for (;;) {
     const uint64_t now = ld_relaxed(word), arrived = ld_acquire(arrivals);  // both in flight
     if ((now >> 2) >= tag) return now & 3u;
     if (arrived >= tag) continue;
@@ -133,7 +134,6 @@ __device__ __forceinline__ uint64_t launch_mode(uint64_t* word, const uint64_t* 
     }
     __nanosleep(64);
   }
-  return seen & 3u;
 }
 
 // One CTA of the launch writes the wait record (index_decode.h).
@@ -530,9 +530,10 @@ __global__ void __launch_bounds__(kThreads, kFused ? 3 : 1) index_decode_kernel(
       out[c * a.t_s2] = c;
       if constexpr (kFused) s_mine[c] = c;  // rank = id
     }
-    if constexpr (!kFused)
+    if constexpr (!kFused) {
       if (tid == 0) red_release_add(&sync[1], 1);
-    if constexpr (!kFused) return;
+      return;
+    }
   } else {
     // Otherwise the request's CTAs meet at a barrier (all have started: the gate), each ranks
     // its own blocks against all of the request's block scores and writes every block
