@@ -7,21 +7,20 @@
 
 namespace {
 
+__device__ uint64_t now_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
 __global__ void occupy(volatile int* running, volatile int* release, uint64_t limit_ns) {
   extern __shared__ unsigned char held[];
   if (threadIdx.x != 0) return;
   held[0] = 1;  // the shared memory is the point, not its contents
   running[blockIdx.x] = 1;
   __threadfence_system();
-  uint64_t t0;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
-  for (;;) {
-    if (*release != 0) break;
-    uint64_t t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    if (t - t0 > limit_ns) break;
-    __nanosleep(1000);
-  }
+  const uint64_t t0 = now_ns();
+  while (*release == 0 && now_ns() - t0 <= limit_ns) __nanosleep(1000);
   running[blockIdx.x] = 0;  // no longer holding its multiprocessor
   __threadfence_system();
 }

@@ -315,6 +315,26 @@ void scale_block_keys(Batch& B, int b, int c, float sc) {
       B.ik[(B.tok_off[b] + t) * row + x] = B.enc(sc * B.dec(B.iq[b * row + x]));
 }
 
+// A sparse_decode case at the M3 per-rank shape (16 q heads, 1 KV head, 1 index head, D = 128):
+// one request per kv entry, each with one query.
+struct DecodeCase {
+  int dtype;
+  bool sink, lse;
+  int init, local;
+  std::vector<int32_t> kv;
+};
+
+// Builds case c's batch and paging from the two seeds, runs sparse_decode and checks it.
+void check_decode_case(const DecodeCase& c, uint64_t batch_seed, uint64_t paging_seed,
+                       const std::string& what) {
+  const Batch B = make_batch(c.dtype, 16, 1, 1, 128, 128, std::vector<int32_t>(c.kv.size(), 1),
+                             c.kv, batch_seed, true, true);
+  SparseParams S = m3_params(c.init, c.local);
+  S.sink = c.sink;
+  S.lse = c.lse;
+  check_sparse_decode(B, S, make_paging(B, 128, paging_seed), what);
+}
+
 // sparse_decode, the indexer and attend in one launch: its top-k against the reference scores,
 // its output against the reference attention over the top-k it wrote. Cases cover every path of
 // the kernel: a context of at most 16 blocks (all taken, no barrier), one request (64k, and 512k:
@@ -324,12 +344,6 @@ void scale_block_keys(Batch& B, int b, int c, float sc) {
 // on and off, f16.
 TEST(CudaSm90, SparseDecodeMatchesReference) {
   REQUIRE_HOPPER();
-  struct C {
-    int dtype;
-    bool sink, lse;
-    int init, local;
-    std::vector<int32_t> kv;
-  };
   auto ragged = [](int n, int max_kv, uint32_t seed) {
     std::mt19937 rng(seed);
     std::vector<int32_t> kv;
@@ -337,7 +351,7 @@ TEST(CudaSm90, SparseDecodeMatchesReference) {
     return kv;
   };
   const uint64_t solo0 = solo_requests();
-  const C cases[] = {
+  const DecodeCase cases[] = {
       {ATTNRT_BF16, false, true, 0, 1, {300}},
       {ATTNRT_BF16, true, true, 1, 2, {4000, 130, 9001, 2048}},
       {ATTNRT_F16, true, false, 0, 1, {20000, 7777, 1}},
@@ -349,17 +363,11 @@ TEST(CudaSm90, SparseDecodeMatchesReference) {
       {ATTNRT_BF16, true, true, 1, 2, {524288}},
   };
   int it = 0;
-  for (const C& c : cases) {
+  for (const DecodeCase& c : cases) {
     SCOPED_TRACE(it);
-    const Batch B = make_batch(c.dtype, 16, 1, 1, 128, 128, std::vector<int32_t>(c.kv.size(), 1),
-                               c.kv, 900 + it, true, true);
-    SparseParams S = m3_params(c.init, c.local);
-    S.sink = c.sink;
-    S.lse = c.lse;
-    const Paging P = make_paging(B, 128, 31 + it);
-    check_sparse_decode(B, S, P,
-                        "case " + std::to_string(it) + " (" + std::to_string(c.kv.size()) +
-                            " requests)");
+    check_decode_case(c, 900 + it, 31 + it,
+                      "case " + std::to_string(it) + " (" + std::to_string(c.kv.size()) +
+                          " requests)");
     ++it;
   }
   // Every CTA of a launch starts at once on an otherwise idle GPU: no request runs solo.
@@ -485,27 +493,16 @@ TEST(CudaSm90, SoloModeMatchesReference) {
   const ScopedEnv fault("ATTNRT_SM90_FAULT", "solo");
   const uint64_t solo0 = solo_requests();
   uint64_t expected = 0;
-  struct C {
-    int dtype;
-    bool sink, lse;
-    int init, local;
-    std::vector<int32_t> kv;
-  };
-  const C cases[] = {
+  const DecodeCase cases[] = {
       {ATTNRT_BF16, false, true, 0, 1, {300}},
       {ATTNRT_BF16, true, true, 1, 2, {4000, 130, 9001, 2048}},
       {ATTNRT_BF16, true, true, 1, 1, {65536}},
       {ATTNRT_F16, false, true, 0, 1, {20000, 7777, 1, 33000}},
   };
   int it = 0;
-  for (const C& c : cases) {
+  for (const DecodeCase& c : cases) {
     SCOPED_TRACE(it);
-    const Batch B = make_batch(c.dtype, 16, 1, 1, 128, 128, std::vector<int32_t>(c.kv.size(), 1),
-                               c.kv, 1300 + it, true, true);
-    SparseParams S = m3_params(c.init, c.local);
-    S.sink = c.sink;
-    S.lse = c.lse;
-    check_sparse_decode(B, S, make_paging(B, 128, 131 + it), "solo case " + std::to_string(it));
+    check_decode_case(c, 1300 + it, 131 + it, "solo case " + std::to_string(it));
     expect_index_matches(decode_batch(c.dtype, c.kv, 1400 + it), m3_params(c.init, c.local),
                          141 + it, true, "sm90 indexer solo", it);
     // Two launches of each op (run_twice): sparse_decode runs every request solo, the indexer
