@@ -53,10 +53,11 @@
 namespace attnrt_cuda_sm90 {
 
 // Profiling builds only (cuda_common/phase_trace.cuh): where each CTA is when.
-ATTNRT_PHASE_TABLE(sm90_index_decode, "start,first page,scored,barrier passed,ranked,sorted")
+ATTNRT_PHASE_TABLE(sm90_index_decode,
+                   "start,copies issued,first page,scored,barrier passed,ranked,sorted")
 ATTNRT_PHASE_TABLE(sm90_sparse_decode,
-                   "start,first page,scored,barrier passed,ranked,kv landed,computed,attended,"
-                   "all attended,merged")
+                   "start,copies issued,first page,scored,barrier passed,ranked,kv landed,"
+                   "computed,attended,all attended,merged")
 
 namespace {
 
@@ -265,13 +266,13 @@ __device__ __forceinline__ int attend_selected(const SparseDecodeArgs& a, int b,
   for (int i = 0; i < nsel; ++i) {
     cp_wait<0>();  // block i (and q)
     __syncthreads();
-    if (i == 0) ATTNRT_PHASE(sm90_sparse_decode, 5);
+    if (i == 0) ATTNRT_PHASE(sm90_sparse_decode, 6);
     const int j0 = s_sel_block[i] * kBlock;
     attend_block(st, sQ, sK, sV, j0, min(j0 + kBlock, kv), a.scale_log2);
     __syncthreads();  // K and V read: the next block's copy, or cta_partial's scratch, overlays them
     if (i + 1 < nsel) load(s_sel_block[i + 1]);
   }
-  ATTNRT_PHASE(sm90_sparse_decode, 6);
+  ATTNRT_PHASE(sm90_sparse_decode, 7);
   const int64_t slots = static_cast<int64_t>(b) * kTopK;
   const int64_t first = (slots + s_sel_rank[0]) * kHeads;
   cta_partial(st, reinterpret_cast<float*>(stages), s_part, a.part_o + first * kHeadDim,
@@ -422,6 +423,7 @@ __global__ void __launch_bounds__(kThreads, kFused ? 3 : 1) index_decode_kernel(
     for (int s = 0; s < kStages; ++s) first[s] = c0 + s < c1 ? pages[c0 + s] : 0;
     if (c0 + kStages < c1) next_page = pages[c0 + kStages];
     for (int s = 0; s < kStages && c0 + s < c1; ++s) issue(s, first[s]);
+    INDEX_PHASE(1);  // after the page ids' loads: how long the cold reads before the stream took
     // The launch count: its round trip goes after the copies. The last CTA to start declares
     // the launch shared, without waiting for the answer: whether a peer made it solo first is
     // read with the first page, like every CTA's (its own write is then seen).
@@ -461,7 +463,7 @@ __global__ void __launch_bounds__(kThreads, kFused ? 3 : 1) index_decode_kernel(
   for (int c = c0; c < c1; ++c) {
     const int i = c - c0, s = i % kStages;
     bar_wait(&bars[s], (i / kStages) & 1);
-    if (i == 0) INDEX_PHASE(1);
+    if (i == 0) INDEX_PHASE(2);
     if (i == 0 && tid == 0 && a.ctas_per_request > 1)
       mode_seen = ld_relaxed(&sync[kModeWord]);  // used after the scoring: no wait here
     const unsigned char* page = stages + s * kPageBytes;
@@ -492,7 +494,7 @@ __global__ void __launch_bounds__(kThreads, kFused ? 3 : 1) index_decode_kernel(
     }
   }
 
-  INDEX_PHASE(2);
+  INDEX_PHASE(3);
   // Arrived (thread 0 wrote this CTA's block scores), in every mode: a solo launch's last CTA
   // waits for the same arrivals. Then the gate: shared mode, or solo (this CTA alone goes on, or
   // it leaves). Arriving first keeps a CTA that polls the mode word off the barrier's critical
@@ -551,7 +553,7 @@ __global__ void __launch_bounds__(kThreads, kFused ? 3 : 1) index_decode_kernel(
       }
     }
     __syncthreads();
-    INDEX_PHASE(3);
+    INDEX_PHASE(4);
     uint32_t* keys = reinterpret_cast<uint32_t*>(stages);  // every bulk copy has completed
     const float* src = a.scores + static_cast<int64_t>(b) * a.block_capacity;
     const int init_b = a.init_blocks, local_from = nvis - a.local_blocks;
@@ -593,7 +595,7 @@ __global__ void __launch_bounds__(kThreads, kFused ? 3 : 1) index_decode_kernel(
     }
   }  // nvis > kTopK
   __syncthreads();
-  INDEX_PHASE(4);
+  INDEX_PHASE(5);
   if constexpr (kFused) {
     // With kKeepBestCtas or more CTAs a request, a CTA keeps the best block it ranked
     // (own_first); every other block it ranked goes to the CTA of its rank (rank % P), through
@@ -616,7 +618,7 @@ __global__ void __launch_bounds__(kThreads, kFused ? 3 : 1) index_decode_kernel(
                                         keff, all_taken, own_first, kv, pages,
                                         sync + kRankWords, s_tag, stages, sQ, s_mine, s_help,
                                         s_sel_block, s_sel_rank, s_nsel, s_part);
-    INDEX_PHASE(7);
+    INDEX_PHASE(8);
     // Count this CTA done once its slots' lse and partial are written: the barrier orders every
     // thread's stores before thread 0's release (the pattern of a split-K semaphore); the slot
     // holders' acquire makes them visible to them.
@@ -634,13 +636,13 @@ __global__ void __launch_bounds__(kThreads, kFused ? 3 : 1) index_decode_kernel(
       }
     }
     __syncthreads();
-    INDEX_PHASE(8);
+    INDEX_PHASE(9);
     // Rank 0's holder puts topk in id order; its ids load along with the merge's loads.
     const bool sorter = s_sel_rank[0] == 0 && warp == 0;
     const int id = sorter ? slot_id(out, a.t_s2, keff, lane) : INT_MAX;
     merge_heads<T>(a, b, keff, s_sel_rank, nsel, s_heads, s_nheads);
     if (sorter) put_in_id_order(out, a.t_s2, keff, lane, id);
-    INDEX_PHASE(9);
+    INDEX_PHASE(10);
   } else {
     if (tid == 0) {
       __threadfence();
@@ -650,7 +652,7 @@ __global__ void __launch_bounds__(kThreads, kFused ? 3 : 1) index_decode_kernel(
     if (!s_last || warp != 0) return;
     __threadfence();
     put_in_id_order(out, a.t_s2, keff, lane, slot_id(out, a.t_s2, keff, lane));
-    INDEX_PHASE(5);
+    INDEX_PHASE(6);
   }
 }
 
