@@ -867,15 +867,29 @@ void print_phases(const char* shape, bool fused) {
   for (const auto& [tag, tab] : tables) {
     for (size_t slot = 0; slot < tab->names.size(); ++slot) {
       std::vector<double> us;
+      size_t last_cta = 0;  // the CTA that reached this phase last: who holds up the tail
+      uint64_t last = 0;
       for (size_t c = 0; c < kPhaseCtas; ++c) {
         const uint64_t v = tab->t[c * kPhaseSlots + slot];
-        if (v >= t0 && v - t0 < 10'000'000) us.push_back((v - t0) * 1e-3);
+        if (v >= t0 && v - t0 < 10'000'000) {
+          us.push_back((v - t0) * 1e-3);
+          if (v > last) last = v, last_cta = c;
+        }
       }
       if (us.empty()) continue;
       std::sort(us.begin(), us.end());
-      std::printf("PHASE %-16s %-7s %-15s ctas %4zu  min %8.2f  median %8.2f  max %8.2f us\n",
+      std::printf("PHASE %-16s %-7s %-15s ctas %4zu  min %8.2f  median %8.2f  max %8.2f us"
+                  " (CTA %zu)\n",
                   shape, tag, tab->names[slot].c_str(), us.size(), us.front(), us[us.size() / 2],
-                  us.back());
+                  us.back(), last_cta);
+      // The last CTA to write its partial holds up the merge: its whole row says where it lost.
+      if (tab->names[slot] != "attended") continue;
+      std::printf("PHASE %-16s %-7s CTA %zu, the last to attend:", shape, tag, last_cta);
+      for (size_t k = 0; k < tab->names.size(); ++k) {
+        const uint64_t v = tab->t[last_cta * kPhaseSlots + k];
+        if (v >= t0) std::printf("  %s %.2f", tab->names[k].c_str(), (v - t0) * 1e-3);
+      }
+      std::printf(" us\n");
     }
   }
 }
