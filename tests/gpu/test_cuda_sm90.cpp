@@ -516,7 +516,8 @@ TEST(CudaSm90, SoloModeMatchesReference) {
 // Profiling builds of the plugin (-DATTNRT_PHASE_TRACE=ON) export their kernels' phase stamps
 // (src/backends/cuda_common/phase_trace.cuh). read_phases() fetches and clears one table (false
 // when the plugin has none); print_phases() prints, per phase, when the CTAs reached it, in us
-// from the first indexer CTA's start: min / median / max over the CTAs.
+// from the first indexer CTA's start: min / median / max over the CTAs and the CTA that was
+// last, then every phase of the last CTA to attend.
 using PhaseRead = int (*)(uint64_t*, int, const char**);
 constexpr int kPhaseCtas = 1024, kPhaseSlots = 16;  // phase_trace.cuh's table: [CTA][slot]
 struct PhaseTable {
