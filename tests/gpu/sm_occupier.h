@@ -15,8 +15,8 @@ struct SmOccupier {
 // Launches one CTA on each of all but `free_sms` multiprocessors of the current device on `st`
 // (each takes nearly all of its multiprocessor's shared memory, so no CTA that needs a few KB of
 // it fits beside) and returns once every CTA runs, or an error (nothing left running or
-// allocated) after 5 s. The CTAs spin until
-// sm_occupier_release(), or until `limit_ms` have passed (a test that fails early still ends).
+// allocated) after 5 s. The CTAs spin until sm_occupier_release(), or until `limit_ms` have
+// passed (a test that fails early still ends).
 cudaError_t sm_occupier_start(int free_sms, int limit_ms, cudaStream_t st, SmOccupier* o);
 // Lets the CTAs exit and frees the flags once they have (synchronizes `st`).
 cudaError_t sm_occupier_release(SmOccupier* o, cudaStream_t st);

@@ -273,12 +273,18 @@ std::string plugin_error_after_failure(const attnrt_plugin_v1* plug) {
   return plug->synchronize({ATTNRT_DEVICE_CUDA, 0}) == ATTNRT_OK ? "" : plug->last_error();
 }
 
+// An extra symbol of the plugin under test, beside its ABI table (nullptr if it has none).
+void* plugin_symbol(const char* name) {
+  void* h = dlopen(plugin_path().c_str(), RTLD_NOW | RTLD_LOCAL);  // loaded already: no init
+  void* sym = h ? dlsym(h, name) : nullptr;
+  if (h) dlclose(h);  // the harness keeps the plugin loaded, so `sym` stays valid
+  return sym;
+}
+
 // Requests whose decode launch ran solo so far (the plugin's attnrt_cuda_sm90_solo_requests).
 uint64_t solo_requests() {
-  void* h = dlopen(plugin_path().c_str(), RTLD_NOW | RTLD_LOCAL);  // loaded already: no init
   const auto count =
-      h ? reinterpret_cast<uint64_t (*)()>(dlsym(h, "attnrt_cuda_sm90_solo_requests")) : nullptr;
-  if (h) dlclose(h);  // the harness keeps the plugin loaded, so `count` stays valid
+      reinterpret_cast<uint64_t (*)()>(plugin_symbol("attnrt_cuda_sm90_solo_requests"));
   if (!count) {
     ADD_FAILURE() << "the plugin exports no attnrt_cuda_sm90_solo_requests";
     return 0;
@@ -448,7 +454,8 @@ TEST(CudaSm90, SparseDecodeManyLaunchesAtBatch64) {
 // Fault injection: ATTNRT_SM90_FAULT=barrier makes a decode plan start its requests' launch
 // counters one launch ahead of their arrivals, so the CTAs of each request wait at the top-16
 // barrier for arrivals that never come. The watchdog must turn that into a failed launch whose
-// error says where, within its 10 s, instead of a hang. Runs in a child process (the trap ends the CUDA context).
+// error says where, within its 10 s, instead of a hang. Runs in a child process (the trap ends
+// the CUDA context).
 TEST(CudaSm90DeathTest, BrokenBarrierFailsInsteadOfHanging) {
   REQUIRE_HOPPER();
   GTEST_FLAG_SET(death_test_style, "threadsafe");
@@ -525,9 +532,7 @@ struct PhaseTable {
   std::vector<std::string> names;
 };
 bool read_phases(const char* symbol, PhaseTable* out) {
-  void* h = dlopen(plugin_path().c_str(), RTLD_NOW | RTLD_LOCAL);  // loaded already: no init
-  const auto read = h ? reinterpret_cast<PhaseRead>(dlsym(h, symbol)) : nullptr;
-  if (h) dlclose(h);  // the harness keeps the plugin loaded, so `read` stays valid
+  const auto read = reinterpret_cast<PhaseRead>(plugin_symbol(symbol));
   if (!read) return false;
   out->t.assign(static_cast<size_t>(kPhaseCtas) * kPhaseSlots, 0);
   const char* names = "";
@@ -536,6 +541,14 @@ bool read_phases(const char* symbol, PhaseTable* out) {
   std::istringstream in(names);
   for (std::string name; std::getline(in, name, ',');) out->names.push_back(name);
   return true;
+}
+// Profiling builds: drops every table's stamps, so the next print_phases() sees only later
+// launches.
+void clear_phases() {
+  PhaseTable stale;
+  for (const char* t : {"attnrt_phase_sm90_index_decode", "attnrt_phase_sm90_attend_decode",
+                        "attnrt_phase_sm90_sparse_decode"})
+    read_phases(t, &stale);
 }
 // Two launches (indexer, attend) or, fused, the sparse_decode kernel alone.
 void print_phases(const char* shape, bool fused) {
@@ -605,9 +618,7 @@ TEST(CudaSm90, DecodeFinishesBesideAKernelHoldingMostSms) {
     SmOccupier occ;
     ASSERT_EQ(sm_occupier_start(4, 30000, held, &occ), cudaSuccess);
     const uint64_t solo0 = solo_requests();
-    PhaseTable stale;  // profiling builds: earlier launches' stamps out of the way
-    for (const char* t : {"attnrt_phase_sm90_index_decode", "attnrt_phase_sm90_sparse_decode"})
-      read_phases(t, &stale);
+    clear_phases();
     const auto t0 = std::chrono::steady_clock::now();
     const int32_t r = g_plugin->run(plan, &ts, st);
     cudaError_t q = cudaErrorNotReady;
@@ -1016,10 +1027,7 @@ TEST(CudaSm90, BenchM3) {
     progress(s.name, "sparse_decode once");
     const SparseDecodeOut fo = run_sparse_decode(D);
     EXPECT_EQ(fo.topk, a) << "sparse_decode selected other blocks than the indexer";
-    PhaseTable stale;  // profiling builds: earlier launches' stamps out of the way
-    for (const char* t : {"attnrt_phase_sm90_index_decode", "attnrt_phase_sm90_attend_decode",
-                          "attnrt_phase_sm90_sparse_decode"})
-      read_phases(t, &stale);
+    clear_phases();
     auto graph = [&](const char* name, const attnrt_plugin_v1* plug, int ops) {
       if (!graphs_selected(name)) return static_cast<double>(NAN);
       progress(s.name, (std::string("graph ") + name).c_str());
