@@ -2,6 +2,7 @@
 // libraries built with injected faults (tests/plugins/).
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 #include <algorithm>
 #include <atomic>
@@ -226,7 +227,8 @@ INSTANTIATE_TEST_SUITE_P(
         FaultCase{"run_fails", "injected run failure", /*canary=*/false},
         FaultCase{"run_fails", "canary failed: run failed: injected run failure"},
         FaultCase{"wrong_numbers", "canary mismatch (max err"},
-        FaultCase{"missing_dep", "libattnrt_testdep.so: cannot open shared object file"}),
+        FaultCase{"missing_dep", "libattnrt_testdep.so: cannot open shared object file"},
+        FaultCase{"short_table", "required by ABI 1.2"}),
     [](const auto& info) {
       return info.param.fault + (info.param.canary ? "" : "_nocanary");
     });
@@ -292,6 +294,8 @@ TEST(Registry, AbiMinorZeroPluginIsNeverAskedForSparseDecode) {
   EXPECT_THAT(st.reason, HasSubstr("plugin ABI 1.0 predates sparse_decode (1.1)"));
   EXPECT_EQ(rt.plan(fused, c.layout)->backend(), "cpu");
   EXPECT_TRUE(logs.warnings().empty()) << ::testing::PrintToString(logs.warnings());
+  // Its table ends where 1.0 ends: the report never reads degraded_runs (it would abort).
+  for (const OpDeviceReport& e : rt.report().ops) EXPECT_EQ(e.degraded_runs, 0);
 
   RuntimeOptions o = options_for("abi_minor0");
   o.force_backend = "fault_abi_minor0";
@@ -305,7 +309,45 @@ TEST(Registry, AbiMinorZeroPluginIsNeverAskedForSparseDecode) {
   }
 }
 
-// A plugin of the host's ABI (1.1) is asked about sparse_decode: the reason diagnose() gives is
+// A 1.2 plugin's degraded runs reach the report of the op it serves, with its note, in
+// to_string() and to_json(); an op it cannot answer for shows -1 and why. (The 1.0 plugin above
+// never has the field read: its table ends before it, and calling it aborts.)
+TEST(Registry, DegradedRunsReachTheReport) {
+  LogCapture logs;
+  RuntimeOptions o = options_for("degrades");
+  o.canary = false;  // the canary's runs would count too
+  Runtime rt(o);
+  DenseCase extend(test::fresh_seed()), decode(test::fresh_seed() + 1, Op::dense_decode);
+  const int runs = 2 + static_cast<int>(test::fresh_seed() % 4);
+  for (int i = 0; i < runs; ++i) {
+    decode.run(rt);
+    EXPECT_LT(decode.err(), 1e-5);
+  }
+  extend.run(rt);
+  EXPECT_LT(extend.err(), 1e-5);
+  const Report r = rt.report();
+  ASSERT_EQ(r.ops.size(), 2u);
+  for (const OpDeviceReport& e : r.ops) {
+    EXPECT_EQ(e.chosen, "fault_degrades");
+    if (e.op == Op::dense_decode) {
+      EXPECT_EQ(e.degraded_runs, runs);
+      EXPECT_EQ(e.degraded_note, "injected: every decode run");
+    } else {
+      EXPECT_EQ(e.degraded_runs, -1);
+      EXPECT_THAT(e.degraded_note, HasSubstr("injected degraded_runs failure"));
+    }
+  }
+  EXPECT_THAT(r.to_string(),
+              HasSubstr(std::to_string(runs) + " degraded: injected: every decode run"));
+  EXPECT_THAT(r.to_string(), HasSubstr("degraded runs unknown: degraded_runs failed"));
+  const nlohmann::json j = nlohmann::json::parse(r.to_json());
+  int64_t sum = 0;
+  for (const auto& e : j["ops"]) sum += e["degraded_runs"].get<int64_t>();
+  EXPECT_EQ(sum, runs - 1);
+  EXPECT_TRUE(logs.warnings().empty()) << ::testing::PrintToString(logs.warnings());
+}
+
+// A plugin of ABI 1.1 or later (the host's) is asked about sparse_decode: the reason diagnose() gives is
 // its own probe's answer.
 TEST(Registry, AbiMinorOnePluginIsProbedForSparseDecode) {
   Runtime rt(options_for("healthy"));

@@ -406,6 +406,20 @@ void run_resolved(const RunOptions& o, const attnrt::ModelConfig& m) {
         std::fprintf(stderr, "attnrt: %s on %s runs on %s: %s skipped (%s)\n",
                      attnrt::op_name(e.op), dev.str().c_str(), e.chosen.c_str(), sk.backend.c_str(),
                      sk.reason.c_str());
+  // And one per op whose backend ran some of its runs a slower way than planned (still correct).
+  int64_t degraded = 0;
+  for (const auto& e : rep.ops) {
+    if (e.device != dev || e.degraded_runs == 0) continue;
+    if (e.degraded_runs > 0) {
+      degraded += e.degraded_runs;
+      std::fprintf(stderr, "attnrt: %s on %s: %s ran %lld slower: %s\n", attnrt::op_name(e.op),
+                   dev.str().c_str(), e.chosen.c_str(), static_cast<long long>(e.degraded_runs),
+                   e.degraded_note.c_str());
+    } else {
+      std::fprintf(stderr, "attnrt: %s on %s: %s degraded runs %s\n", attnrt::op_name(e.op),
+                   dev.str().c_str(), e.chosen.c_str(), e.degraded_note.c_str());
+    }
+  }
   int64_t fallbacks = 0;
   for (const auto& e : rep.ops) fallbacks += e.fallbacks;
   if (o.json) {
@@ -436,6 +450,7 @@ void run_resolved(const RunOptions& o, const attnrt::ModelConfig& m) {
     j["decode"] = {{"seconds", phase_s[1]}, {"tokens", phase_tokens[1]},
                    {"tokens_per_s", phase_tokens[1] / std::max(phase_s[1], 1e-12)}};
     j["fallbacks"] = fallbacks;
+    j["degraded_runs"] = degraded;
     j["warnings"] = rep.warnings;
     if (o.check) j["check_ok"] = !any_fail;
     std::cout << j.dump(2) << "\n";

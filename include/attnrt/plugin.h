@@ -21,6 +21,9 @@
  *        plugin whose minor version is 0: for such a plugin it reports the op as not served
  *        ("op not served: plugin ABI 1.0 predates sparse_decode (1.1)") and the plugin still
  *        serves its other ops. A 1.1 plugin that does not serve op 6 says so in probe.
+ *   1.2  degraded_runs, an optional field at the end of the table. The table of a 1.0 or 1.1
+ *        plugin ends before it (its struct_size); the host reads the field only from a plugin
+ *        whose minor version is >= 2, and then needs struct_size to cover it.
  *
  * Nothing of C++ crosses this boundary: no exceptions (a plugin must catch everything), no
  * std types. Every function returns an attnrt_status. On any non-OK status the plugin makes
@@ -39,7 +42,7 @@ extern "C" {
 #endif
 
 #define ATTNRT_PLUGIN_ABI_MAJOR 1u
-#define ATTNRT_PLUGIN_ABI_MINOR 1u
+#define ATTNRT_PLUGIN_ABI_MINOR 2u
 #define ATTNRT_PLUGIN_ABI_VERSION ((ATTNRT_PLUGIN_ABI_MAJOR << 16) | ATTNRT_PLUGIN_ABI_MINOR)
 
 #if defined(_WIN32)
@@ -176,7 +179,20 @@ typedef struct attnrt_plugin_v1 {
   int32_t (*synchronize)(attnrt_device device);
   /* One line describing the device ("NVIDIA H200, sm_90, 132 SMs"), written into buf. */
   int32_t (*describe_device)(attnrt_device device, char* buf, size_t cap);
+
+  /* ABI 1.2. Optional (NULL: the plugin never degrades). How many times, since init, runs of
+   * `op` on `device` went a slower way than their plan chose, their results still correct (for
+   * example a kernel whose CTAs could not all start beside another kernel), in *count, counted
+   * per run or per request of a run; and a short note of what is counted and why, written into
+   * note (cap bytes, NUL-terminated), which may be empty when the count is 0. Runs still in
+   * flight may not be counted yet. For reports, not for every step: it may wait for the
+   * device's default stream. */
+  int32_t (*degraded_runs)(attnrt_device device, int32_t op, uint64_t* count, char* note,
+                           size_t cap);
 } attnrt_plugin_v1;
+
+/* The size of a 1.0 or 1.1 table: every field before degraded_runs. */
+#define ATTNRT_PLUGIN_V1_1_SIZE offsetof(attnrt_plugin_v1, degraded_runs)
 
 typedef const attnrt_plugin_v1* (*attnrt_plugin_get_fn)(void);
 

@@ -99,6 +99,11 @@ struct OpDeviceReport {
   std::vector<BackendState> skipped;  // candidates tried before `chosen`, with reasons
   int64_t calls = 0;                  // runs completed
   int64_t fallbacks = 0;              // times a backend failed here and another took over
+  // Runs of `chosen` that went a slower way than their plan chose (results still correct; e.g.
+  // a GPU kernel that could not get the multiprocessors it planned for), and what that way is;
+  // -1 when the backend could not say (the note says why).
+  int64_t degraded_runs = 0;
+  std::string degraded_note;
 };
 
 struct PluginLoadRecord {

@@ -89,6 +89,13 @@ class BackendPlan {
   virtual ~BackendPlan() = default;
 };
 
+// Runs that went a slower way than their plan chose, results still correct (plugin.h,
+// degraded_runs).
+struct DegradedRuns {
+  int64_t count = 0;
+  std::string note;  // what is counted and why
+};
+
 struct BackendPreferences {
   int page_size = 0;  // 0: no preference
   std::string note;   // shown by doctor
@@ -114,6 +121,9 @@ class Backend {
     return false;
   }
   virtual BackendPreferences preferences(const Device& /*device*/) const { return {}; }
+  // Runs of `op` on `device` since the backend started that went a slower way than their plan
+  // chose. For reports: may wait for the device. Default: none ever do.
+  virtual DegradedRuns degraded_runs(const Device& /*device*/, Op /*op*/) const { return {}; }
   // Memory of a device this backend serves that the host cannot address directly; nullptr for
   // host-memory backends.
   virtual std::shared_ptr<DeviceMemory> device_memory(const Device& /*device*/) { return nullptr; }

@@ -3,6 +3,7 @@
 #include <sys/stat.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <mutex>
 #include <sstream>
@@ -190,6 +191,18 @@ class PluginBackend : public Backend {
     return prefs;
   }
 
+  DegradedRuns degraded_runs(const Device& d, Op op) const override {
+    // A 1.0 or 1.1 table ends before the field (checked at load: a 1.2 one covers it).
+    if (abi_minor_ < 2 || !lib_->table->degraded_runs) return {};
+    uint64_t n = 0;
+    char note[256] = {0};
+    if (lib_->table->degraded_runs(to_c(d), static_cast<int32_t>(op), &n, note,
+                                   sizeof note) != ATTNRT_OK)
+      return {-1, "unknown: degraded_runs failed: " + lib_->error()};
+    note[sizeof note - 1] = '\0';
+    return {static_cast<int64_t>(std::min<uint64_t>(n, INT64_MAX)), note};
+  }
+
   std::shared_ptr<DeviceMemory> device_memory(const Device& d) override {
     if (d.is_host() || !lib_->table->mem_alloc) return nullptr;
     return std::make_shared<PluginMemory>(lib_, d);
@@ -327,9 +340,13 @@ void load_one(const std::string& path, std::set<std::string>& taken,
     return reject("table abi_version " + std::to_string(t->abi_version) +
                   " differs from exported " + ATTNRT_PLUGIN_VERSION_SYMBOL + " " +
                   std::to_string(*version));
-  if (t->struct_size < sizeof(attnrt_plugin_v1))
+  // Each minor version's table ends where its last field does (plugin.h).
+  const uint32_t minor = t->abi_version & 0xffffu;
+  const size_t needed = minor >= 2 ? sizeof(attnrt_plugin_v1) : ATTNRT_PLUGIN_V1_1_SIZE;
+  if (t->struct_size < needed)
     return reject("table struct_size " + std::to_string(t->struct_size) + " < " +
-                  std::to_string(sizeof(attnrt_plugin_v1)) + " required by ABI 1.0");
+                  std::to_string(needed) + " required by ABI 1." +
+                  std::to_string(std::min<uint32_t>(minor, 2)));
   if (!valid_name(t->name))
     return reject(std::string("invalid plugin name '") + (t->name ? t->name : "(null)") +
                   "' (expected non-empty [a-z0-9_]+)");

@@ -11,6 +11,8 @@ std::string Report::to_string() const {
     os << op_name(o.op) << " on " << o.device.str() << ": " << (o.chosen.empty() ? "-" : o.chosen)
        << " (" << o.calls << " calls";
     if (o.fallbacks) os << ", " << o.fallbacks << " fallbacks";
+    if (o.degraded_runs > 0) os << ", " << o.degraded_runs << " degraded: " << o.degraded_note;
+    if (o.degraded_runs < 0) os << ", degraded runs " << o.degraded_note;
     os << ")";
     for (const auto& s : o.skipped) os << "\n    skipped " << s.backend << ": " << s.reason;
     os << "\n";
@@ -28,7 +30,9 @@ std::string Report::to_json() const {
     nlohmann::json s = nlohmann::json::array();
     for (const auto& k : o.skipped) s.push_back({{"backend", k.backend}, {"reason", k.reason}});
     j["ops"].push_back({{"op", op_name(o.op)}, {"device", o.device.str()}, {"chosen", o.chosen},
-                        {"calls", o.calls}, {"fallbacks", o.fallbacks}, {"skipped", s}});
+                        {"calls", o.calls}, {"fallbacks", o.fallbacks},
+                        {"degraded_runs", o.degraded_runs}, {"degraded_note", o.degraded_note},
+                        {"skipped", s}});
   }
   j["plugins"] = nlohmann::json::array();
   for (const auto& p : plugins)

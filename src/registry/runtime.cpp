@@ -479,11 +479,20 @@ Report Runtime::report() const {
   Report r;
   r.plugins = impl_->registry.plugin_records();
   r.plugin_search_path = impl_->registry.search_path();
-  std::lock_guard lock(impl_->state_mu);
-  for (const auto& [k, v] : impl_->stats) r.ops.push_back(v);
-  r.warnings = impl_->warnings;
-  r.plan_cache_hits = impl_->cache_hits;
-  r.plan_cache_misses = impl_->cache_misses;
+  {
+    std::lock_guard lock(impl_->state_mu);
+    for (const auto& [k, v] : impl_->stats) r.ops.push_back(v);
+    r.warnings = impl_->warnings;
+    r.plan_cache_hits = impl_->cache_hits;
+    r.plan_cache_misses = impl_->cache_misses;
+  }
+  // Outside the lock: a backend may wait for its device to answer.
+  for (OpDeviceReport& o : r.ops)
+    if (const Backend* b = o.chosen.empty() ? nullptr : impl_->registry.find(o.chosen)) {
+      DegradedRuns d = b->degraded_runs(o.device, o.op);
+      o.degraded_runs = d.count;
+      o.degraded_note = std::move(d.note);
+    }
   return r;
 }
 

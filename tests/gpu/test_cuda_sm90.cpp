@@ -281,15 +281,25 @@ void* plugin_symbol(const char* name) {
   return sym;
 }
 
-// Requests whose decode launch ran solo so far (the plugin's attnrt_cuda_sm90_solo_requests).
+// Requests run solo so far, both decode ops together: the plugin's degraded_runs (ABI 1.2),
+// whose note must say what it counts.
 uint64_t solo_requests() {
-  const auto count =
-      reinterpret_cast<uint64_t (*)()>(plugin_symbol("attnrt_cuda_sm90_solo_requests"));
-  if (!count) {
-    ADD_FAILURE() << "the plugin exports no attnrt_cuda_sm90_solo_requests";
+  if (g_plugin->struct_size < sizeof(attnrt_plugin_v1) || !g_plugin->degraded_runs) {
+    ADD_FAILURE() << "the plugin reports no degraded runs (ABI 1.2 degraded_runs)";
     return 0;
   }
-  return count();
+  uint64_t total = 0;
+  for (const int32_t op : {ATTNRT_OP_SPARSE_INDEX_DECODE, ATTNRT_OP_SPARSE_DECODE}) {
+    uint64_t n = 0;
+    char note[256] = "unwritten";
+    EXPECT_EQ(g_plugin->degraded_runs({ATTNRT_DEVICE_CUDA, 0}, op, &n, note, sizeof note),
+              ATTNRT_OK)
+        << g_plugin->last_error();
+    EXPECT_NE(std::string(note).find("requests run solo"), std::string::npos)
+        << "op " << op << ": " << note;
+    total += n;
+  }
+  return total;
 }
 
 // Checks a sparse_decode output of B against the reference: top-k equal as sets (near ties

@@ -8,6 +8,10 @@
 // NO_RUNTIME's init reports its runtime absent, as a GPU plugin does on a machine without one.
 // ABI_MINOR0 is the healthy plugin built for ABI 1.0, before sparse_decode (op 6) existed; its
 // probe would claim op 6, so a host that asked it anyway would show it.
+// Its table also ends where a 1.0 or 1.1 table does (struct_size), and the field past that end
+// aborts the process if called: a host that read it would not survive the test.
+// DEGRADES (ABI 1.2) counts every dense_decode run as degraded and fails to answer for
+// dense_extend. SHORT_TABLE claims ABI 1.2 with a 1.1-sized table, which the host must refuse.
 // FAKE_GPU and ALLOC_FAILS serve a pretend accelerator, cuda:0, whose "device memory" is host
 // memory: FAKE_GPU allocates it with malloc; ALLOC_FAILS fails every allocation, so its canary
 // cannot even be set up.
@@ -121,6 +125,22 @@ struct Plan {
   int32_t* page_indptr;
   int32_t* page_ids;
 };
+
+#if defined(FAULT_DEGRADES)
+int g_decode_runs = 0;  // every one counted as degraded
+
+int32_t degraded_runs(attnrt_device, int32_t op, uint64_t* count, char* note, size_t cap) {
+  if (op == ATTNRT_OP_DENSE_EXTEND) return fail(ATTNRT_INTERNAL, "injected degraded_runs failure");
+  *count = op == ATTNRT_OP_DENSE_DECODE ? static_cast<uint64_t>(g_decode_runs) : 0;
+  std::snprintf(note, cap, "%s", op == ATTNRT_OP_DENSE_DECODE ? "injected: every decode run" : "");
+  return ATTNRT_OK;
+}
+#elif defined(FAULT_ABI_MINOR0)
+int32_t degraded_runs(attnrt_device, int32_t, uint64_t*, char*, size_t) {
+  std::fprintf(stderr, "fault_abi_minor0: the host read a field past a 1.0 table's struct_size\n");
+  std::abort();
+}
+#endif
 
 int32_t init() {
 #if defined(FAULT_MISSING_DEP)
@@ -246,6 +266,9 @@ int32_t run(attnrt_plan h, const attnrt_tensors* t, void*) {
   float* lse = static_cast<float*>(t->lse.data);
   const float* sink = static_cast<const float*>(t->sink.data);
   double qv[512], acc[512];
+#if defined(FAULT_DEGRADES)
+  if (p.op == ATTNRT_OP_DENSE_DECODE) ++g_decode_runs;
+#endif
   for (int b = 0; b < pl->n; ++b) {
     for (int i = 0; i < pl->q_len[b]; ++i) {
       const int64_t row = pl->q_indptr[b] + i;
@@ -297,7 +320,11 @@ const char* last_error() { return g_error; }
 
 const attnrt_plugin_v1 kTable = {
     /* .abi_version = */ PLUGIN_ABI_VERSION,
+#if defined(FAULT_ABI_MINOR0) || defined(FAULT_SHORT_TABLE)
+    /* .struct_size = */ ATTNRT_PLUGIN_V1_1_SIZE,
+#else
     /* .struct_size = */ sizeof(attnrt_plugin_v1),
+#endif
     /* .name = */ PLUGIN_NAME,
     /* .priority = */ PLUGIN_PRIORITY,
     /* .init = */ init,
@@ -330,6 +357,11 @@ const attnrt_plugin_v1 kTable = {
 #endif
     /* .synchronize = */ nullptr,
     /* .describe_device = */ nullptr,
+#if defined(FAULT_DEGRADES) || defined(FAULT_ABI_MINOR0)
+    /* .degraded_runs = */ degraded_runs,
+#else
+    /* .degraded_runs = */ nullptr,
+#endif
 };
 
 }  // namespace

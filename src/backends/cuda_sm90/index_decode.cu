@@ -140,8 +140,9 @@ __device__ __forceinline__ uint64_t launch_mode(uint64_t* word, const uint64_t* 
 // One CTA of the launch writes the wait record (index_decode.h).
 __device__ unsigned g_wait_record_claimed;
 
-// Requests that ran solo, over every launch (index_decode_solo_requests()).
-__device__ unsigned long long g_solo_requests;
+// Requests that ran solo, over every launch (index_decode_solo_requests()): [0] the indexer
+// alone, [1] fused.
+__device__ unsigned long long g_solo_requests[2];
 
 // A wait for the request's peers outlasted the watchdog (a bug: peers that have all started
 // arrive within milliseconds). The first CTA to get here records where (which wait, the target,
@@ -506,7 +507,7 @@ __global__ void __launch_bounds__(kThreads, kFused ? 3 : 1) index_decode_kernel(
       const uint64_t mode =
           launch_mode(&sync[kModeWord], &sync[0], c0 < c1 ? mode_seen : 0, target);
       if (mode == kModeSolo) g = last_to_start ? kAlone : kLeave;
-      if (g == kAlone) atomicAdd(&g_solo_requests, 1ull);
+      if (g == kAlone) atomicAdd(&g_solo_requests[kFused ? 1 : 0], 1ull);
     }
     s_gate = g;
   }
@@ -703,10 +704,12 @@ int resident_ctas(int sms, int* ctas) {
 
 }  // namespace
 
-uint64_t index_decode_solo_requests() {
+int index_decode_solo_requests(bool fused, uint64_t* count) {
   unsigned long long n = 0;
-  if (cudaMemcpyFromSymbol(&n, g_solo_requests, sizeof n) != cudaSuccess) return UINT64_MAX;
-  return n;
+  const size_t at = fused ? sizeof n : 0;
+  const cudaError_t e = cudaMemcpyFromSymbol(&n, g_solo_requests, sizeof n, at);
+  *count = n;
+  return e;
 }
 
 int index_decode_resident_ctas(int sms, bool fused, int* ctas) {

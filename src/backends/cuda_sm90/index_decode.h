@@ -89,9 +89,10 @@ int launch_sparse_decode(const SparseDecodeArgs& a, int dtype, void* stream);
 // multiprocessors): the plan sizes the grid to one such wave, in which a request's CTAs start
 // together and share its work. Returns a cudaError_t as int.
 int index_decode_resident_ctas(int sms, bool fused, int* ctas);
-// Requests whose decode launch ran solo since the plugin was loaded, every device of the process
-// counted on the current one (UINT64_MAX if it cannot be read). A free GPU runs none solo; a
-// count that grows says another kernel kept the decode's CTAs from starting together.
-uint64_t index_decode_solo_requests();
+// Requests whose launch of the indexer (fused: sparse_decode) ran solo on the current device
+// since the plugin was loaded; waits for the device's default stream. A free GPU runs none solo;
+// a count that grows says another kernel kept the decode's CTAs from starting together.
+// Returns a cudaError_t as int.
+int index_decode_solo_requests(bool fused, uint64_t* count);
 
 }  // namespace attnrt_cuda_sm90

@@ -628,6 +628,22 @@ int32_t p_describe_device(attnrt_device d, char* buf, size_t cap) {
   return ATTNRT_OK;
 }
 
+// Solo launches (index_decode.h): correct, but one CTA ranks (and attends) the request alone.
+int32_t p_degraded_runs(attnrt_device d, int32_t op, uint64_t* count, char* note, size_t cap) {
+  if (int32_t s = check_device(d); s != ATTNRT_OK) return s;
+  *count = 0;
+  if (cap > 0) note[0] = '\0';
+  if (op != ATTNRT_OP_SPARSE_INDEX_DECODE && op != ATTNRT_OP_SPARSE_DECODE) return ATTNRT_OK;
+  CK(cudaSetDevice(d.index));
+  CK(static_cast<cudaError_t>(
+      attnrt_cuda_sm90::index_decode_solo_requests(op == ATTNRT_OP_SPARSE_DECODE, count)));
+  std::snprintf(note, cap,
+                "requests run solo: another kernel held multiprocessors that some of their CTAs "
+                "needed, so one CTA %s each alone",
+                op == ATTNRT_OP_SPARSE_DECODE ? "ranked and attended" : "ranked");
+  return ATTNRT_OK;
+}
+
 const attnrt_plugin_v1 kTable = {
     ATTNRT_PLUGIN_ABI_VERSION,
     sizeof(attnrt_plugin_v1),
@@ -648,6 +664,7 @@ const attnrt_plugin_v1 kTable = {
     p_copy_to_host,
     p_synchronize,
     p_describe_device,
+    p_degraded_runs,
 };
 
 }  // namespace
@@ -656,8 +673,4 @@ extern "C" {
 ATTNRT_PLUGIN_EXPORT extern const uint32_t attnrt_plugin_abi_version;
 const uint32_t attnrt_plugin_abi_version = ATTNRT_PLUGIN_ABI_VERSION;
 ATTNRT_PLUGIN_EXPORT const attnrt_plugin_v1* attnrt_plugin_get(void) { return &kTable; }
-// Diagnostic beside the ABI (index_decode.h): requests whose decode launch ran solo so far.
-ATTNRT_PLUGIN_EXPORT uint64_t attnrt_cuda_sm90_solo_requests(void) {
-  return attnrt_cuda_sm90::index_decode_solo_requests();
-}
 }
