@@ -13,14 +13,18 @@ __device__ uint64_t now_ns() {
   return t;
 }
 
-__global__ void occupy(volatile int* running, volatile int* release, uint64_t limit_ns) {
+__global__ void occupy(volatile int* running, volatile int* release, volatile int* relay,
+                       uint64_t limit_ns) {
   extern __shared__ unsigned char held[];
   if (threadIdx.x != 0) return;
   held[0] = 1;  // the shared memory is the point, not its contents
   running[blockIdx.x] = 1;
   __threadfence_system();
   const uint64_t t0 = now_ns();
-  while (*release == 0 && now_ns() - t0 <= limit_ns) __nanosleep(1000);
+  // CTA 0 alone reads the host flag across the bus and relays it through device memory.
+  volatile int* flag = blockIdx.x == 0 ? release : relay;
+  while (*flag == 0 && now_ns() - t0 <= limit_ns) __nanosleep(1000);
+  if (blockIdx.x == 0) *relay = 1;
   running[blockIdx.x] = 0;  // no longer holding its multiprocessor
   __threadfence_system();
 }
@@ -43,14 +47,18 @@ cudaError_t sm_occupier_start(int free_sms, int limit_ms, cudaStream_t st, SmOcc
   o->running = h;
   o->release = h + o->ctas;
   int* d = nullptr;
-  if ((e = cudaHostGetDevicePointer(reinterpret_cast<void**>(&d), o->mem, 0)) == cudaSuccess)
+  if ((e = cudaHostGetDevicePointer(reinterpret_cast<void**>(&d), o->mem, 0)) == cudaSuccess &&
+      (e = cudaMalloc(reinterpret_cast<void**>(&o->relay), sizeof(int))) == cudaSuccess &&
+      (e = cudaMemset(o->relay, 0, sizeof(int))) == cudaSuccess)
     e = cudaFuncSetAttribute(occupy, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (e == cudaSuccess) {
-    occupy<<<o->ctas, 32, smem, st>>>(d, d + o->ctas,
+    occupy<<<o->ctas, 32, smem, st>>>(d, d + o->ctas, o->relay,
                                       static_cast<uint64_t>(limit_ms) * 1000 * 1000);
     e = cudaGetLastError();
   }
   if (e != cudaSuccess) {
+    cudaFree(o->relay);
+    o->relay = nullptr;
     cudaFreeHost(o->mem);
     o->mem = nullptr;
     return e;
@@ -72,6 +80,8 @@ cudaError_t sm_occupier_release(SmOccupier* o, cudaStream_t st) {
   if (o->mem == nullptr) return cudaSuccess;
   *o->release = 1;
   const cudaError_t e = cudaStreamSynchronize(st);
+  cudaFree(o->relay);
+  o->relay = nullptr;
   cudaFreeHost(o->mem);
   o->mem = nullptr;
   return e;
