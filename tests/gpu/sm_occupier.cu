@@ -49,7 +49,7 @@ cudaError_t sm_occupier_start(int free_sms, int limit_ms, cudaStream_t st, SmOcc
   int* d = nullptr;
   if ((e = cudaHostGetDevicePointer(reinterpret_cast<void**>(&d), o->mem, 0)) == cudaSuccess &&
       (e = cudaMalloc(reinterpret_cast<void**>(&o->relay), sizeof(int))) == cudaSuccess &&
-      (e = cudaMemset(o->relay, 0, sizeof(int))) == cudaSuccess)
+      (e = cudaMemsetAsync(o->relay, 0, sizeof(int), st)) == cudaSuccess)  // before the CTAs
     e = cudaFuncSetAttribute(occupy, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (e == cudaSuccess) {
     occupy<<<o->ctas, 32, smem, st>>>(d, d + o->ctas, o->relay,
