@@ -57,7 +57,7 @@ ATTNRT_PHASE_TABLE(sm90_index_decode,
                    "start,copies issued,first page,scored,barrier passed,ranked,sorted")
 ATTNRT_PHASE_TABLE(sm90_sparse_decode,
                    "start,copies issued,first page,scored,barrier passed,ranked,kv landed,"
-                   "computed,attended,all attended,merged")
+                   "computed,attended,all attended,merge loads back,merged")
 
 namespace {
 
@@ -338,6 +338,12 @@ __device__ __forceinline__ void merge_heads(const SparseDecodeArgs& a, int b, in
       float cf = 1.f;
       if (a.att.sink != nullptr) cf = fold_sink(M, L, a.att.sink[h[u]]);
       const float o = L > 0.f ? acc * cf / L : 0.f;
+#ifdef ATTNRT_PHASE_TRACE
+      if (i0 == 0 && u == 0) {
+        asm volatile("" ::"f"(o));  // the stamp after every load o needs has returned
+        ATTNRT_PHASE(sm90_sparse_decode, 10);
+      }
+#endif
       T* dst = static_cast<T*>(a.att.out) + static_cast<int64_t>(b) * a.att.o_s0 + h[u] * a.att.o_s1;
       dst[tid] = Mma<T>::from_float(o);
       if (tid == 0 && a.att.lse != nullptr)
@@ -643,7 +649,7 @@ __global__ void __launch_bounds__(kThreads, kFused ? 3 : 1) index_decode_kernel(
     const int id = sorter ? slot_id(out, a.t_s2, keff, lane) : INT_MAX;
     merge_heads<T>(a, b, keff, s_sel_rank, nsel, s_heads, s_nheads);
     if (sorter) put_in_id_order(out, a.t_s2, keff, lane, id);
-    INDEX_PHASE(10);
+    INDEX_PHASE(11);
   } else {
     if (tid == 0) {
       __threadfence();
