@@ -199,6 +199,7 @@ const attnrt_plugin_v1 kTable = {
     p_copy_to_host,
     p_synchronize,
     p_describe_device,
+    nullptr,  // degraded_runs: every run goes the way its plan chose
 };
 
 }  // namespace
