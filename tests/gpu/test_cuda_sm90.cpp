@@ -1069,21 +1069,18 @@ TEST(CudaSm90, BenchM3) {
     const SparseDecodeOut fo = run_sparse_decode(D);
     EXPECT_EQ(fo.topk, a) << "sparse_decode selected other blocks than the indexer";
     clear_phases();
-    auto graph = [&](const char* name, const attnrt_plugin_v1* plug, int ops) {
+    auto graph = [&](const char* name, const attnrt_plugin_v1* plug, int ops,
+                     DeviceBatch* warm_code = nullptr) {
       if (!graphs_selected(name)) return static_cast<double>(NAN);
       progress(s.name, (std::string("graph ") + name).c_str());
-      return graph_step_ms(plug, D, 20, ops);
+      return graph_step_ms(plug, D, 20, ops, warm_code);
     };
     const double gf = graph("step", g_plugin, kGraphStep);
     print_phases(s.name, false);
     const double gx = graph("fused", g_plugin, kGraphFused);
     print_phases(s.name, true);
-    double gw = NAN;
-    if (warm != nullptr) {
-      progress(s.name, "graph fused_warm_code");
-      gw = graph_step_ms(g_plugin, D, 20, kGraphFused, warm);
-      print_phases((std::string(s.name) + " warm").c_str(), true);  // stamps older than t0 drop
-    }
+    const double gw = graph("fused_warm_code", g_plugin, kGraphFused, warm);
+    print_phases((std::string(s.name) + " warm").c_str(), true);  // stamps older than t0 drop
     const double gg = graph("generic", generic, kGraphStep);
     const double gi = graph("index", g_plugin, kGraphIndex),
                  ga = graph("attend", g_plugin, kGraphAttend),
