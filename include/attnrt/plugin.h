@@ -141,14 +141,17 @@ typedef struct attnrt_plugin_v1 {
    * reason starts with "op not served" (tools list such skips quietly). */
   int32_t (*probe)(const attnrt_problem* problem);
   /* Required. Builds a plan for this problem and layout. May allocate and do host work; the
-   * device data it writes is in place when it returns (a launch on any stream sees it). */
+   * device data it writes is in place when it returns (a launch on any stream sees it). On a
+   * GPU it loads the code of every kernel its runs may launch: a kernel loaded at its first
+   * launch (CUDA's lazy loading) may wait for every kernel on the device, one on another stream
+   * waiting for this run included. */
   int32_t (*plan)(const attnrt_problem* problem, const attnrt_layout* layout, attnrt_plan* out);
   /* Required. Runs a plan on tensors that match its problem and layout (the host checked).
    * Writes every element of the outputs, or returns non-OK before writing any of them. `stream`
    * is the device stream (NULL: the default stream); the call may return before the device
-   * finishes. Neither allocates nor synchronizes on GPU paths (graph-capturable). The host
-   * shares cached plans between threads: run may be called concurrently on one plan, so it
-   * must not modify the plan. On a non-host device the host passes the default stream and
+   * finishes. Neither allocates, synchronizes nor loads code on GPU paths (graph-capturable).
+   * The host shares cached plans between threads: run may be called concurrently on one plan,
+   * so it must not modify the plan. On a non-host device the host passes the default stream and
    * enqueues one run of a plan at a time, so a plan's device scratch may be reused by its runs
    * (a caller passing its own streams must not run one plan on two streams at once). */
   int32_t (*run)(attnrt_plan plan, const attnrt_tensors* tensors, void* stream);

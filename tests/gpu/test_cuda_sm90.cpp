@@ -6,7 +6,9 @@
 // holds the SMs its CTAs need, and really beside one), both ops or sparse_decode captured in
 // one CUDA graph and replayed after update_plan, a 512k context, the probe's reasons by name,
 // and run() refusing (before writing) a cache whose pages are not contiguous.
-// Every test skips without a CUDA device; on a device other than sm_90 only the probe test runs.
+// First of all, the first runs of f16 plans beside a kernel that waits for them (no code loaded in
+// run()). Every test skips without a CUDA device; on a device other than sm_90 only the probe
+// test runs.
 // ATTNRT_GPU_BENCH=1 times it beside the generic cuda plugin on the M3 decode and extend shapes.
 #include <chrono>
 #include <optional>
@@ -49,6 +51,82 @@ SparseParams m3_params(int init = 0, int local = 1) {
 Batch decode_batch(int dtype, const std::vector<int32_t>& kv, uint64_t seed) {
   return make_batch(dtype, 16, 1, 1, 128, 128, std::vector<int32_t>(kv.size(), 1), kv, seed,
                     false, true);
+}
+
+void check_sparse_decode_out(const Batch& B, const SparseParams& S, const SparseDecodeOut& got,
+                             const std::string& what);
+std::string plugin_error_after_failure(const attnrt_plugin_v1* plug);
+
+// The first test of the binary, so that no kernel of either plugin has run in the process yet:
+// the first run() of a plan must not load code. Under CUDA's lazy loading a kernel loads at its
+// first launch, and a load may wait for every kernel on the device; a kernel of the engine's on
+// another stream that waits for this step (a collective waiting for other ranks) then never
+// ends. plan() loads every kernel (plugin.h). Here f16 steps of both plugins (the dtype no other
+// test of this binary runs first) are planned, then run beside a kernel that holds all but 4
+// multiprocessors until the host lets it go after the steps, or until its 10 s limit: steps
+// whose first launch loaded code would end only after that limit, with the kernel gone.
+TEST(CudaSm90, FirstRunsLoadNoCode) {
+  REQUIRE_HOPPER();
+  std::string why;
+  const attnrt_plugin_v1* generic = open_plugin(plugin_file_path(ATTNRT_CUDA_GENERIC_FILE), &why);
+  ASSERT_NE(generic, nullptr) << why;
+  const Batch B = make_batch(ATTNRT_F16, 16, 1, 1, 128, 128, {1}, {20000}, 2100, true, true);
+  const SparseParams S = m3_params(1, 2);
+  const Paging P = make_paging(B, 128, 2101);
+  DeviceBatch D(B, P, S, ATTNRT_OP_SPARSE_DECODE);
+  struct Step {
+    const attnrt_plugin_v1* plug;
+    int op;
+    attnrt_plan plan;
+  };
+  // The fast path's sparse_decode last: its output is the one checked.
+  Step steps[] = {{generic, ATTNRT_OP_SPARSE_DECODE, nullptr},
+                  {g_plugin, ATTNRT_OP_SPARSE_INDEX_DECODE, nullptr},
+                  {g_plugin, ATTNRT_OP_SPARSE_ATTEND_DECODE, nullptr},
+                  {g_plugin, ATTNRT_OP_SPARSE_DECODE, nullptr}};
+  const attnrt_layout L = layout_of(B, P);
+  for (Step& s : steps) {
+    attnrt_problem p = problem_of(s.op, B, S, 128);
+    const auto p0 = std::chrono::steady_clock::now();
+    ASSERT_EQ(s.plug->plan(&p, &L, &s.plan), ATTNRT_OK) << s.plug->last_error();
+    std::printf("plan of op %d (%s): %.2f ms\n", s.op, s.plug == generic ? "cuda" : "cuda_sm90",
+                std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - p0)
+                    .count());
+  }
+  D.poison();
+  cudaStream_t held, st;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&held, cudaStreamNonBlocking), cudaSuccess);
+  ASSERT_EQ(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), cudaSuccess);
+  SmOccupier occ;
+  ASSERT_EQ(sm_occupier_start(4, 10000, held, &occ), cudaSuccess);
+  const auto t0 = std::chrono::steady_clock::now();
+  int32_t r = ATTNRT_OK;
+  for (const Step& s : steps) {
+    const attnrt_tensors ts = D.tensors(s.op);
+    if (r == ATTNRT_OK) r = s.plug->run(s.plan, &ts, st);
+  }
+  cudaError_t q = cudaErrorNotReady;
+  while ((q = cudaStreamQuery(st)) == cudaErrorNotReady &&
+         std::chrono::steady_clock::now() - t0 < std::chrono::seconds(20))
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  const double ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  int still_held = 0;  // the occupier's CTAs still running once the steps are over
+  for (int i = 0; i < occ.ctas; ++i) still_held += occ.running[i];
+  EXPECT_EQ(sm_occupier_release(&occ, held), cudaSuccess);
+  ASSERT_EQ(r, ATTNRT_OK) << g_plugin->last_error() << " / " << generic->last_error();
+  ASSERT_EQ(q, cudaSuccess) << "the steps did not finish (" << cudaGetErrorString(q) << "); "
+                            << plugin_error_after_failure(g_plugin);
+  EXPECT_EQ(still_held, occ.ctas)
+      << "the first runs finished only after the kernel beside them had ended (" << ms << " ms)";
+  std::printf("first runs of 4 f16 plans beside %d held multiprocessors: %.2f ms\n", occ.ctas, ms);
+  SparseDecodeOut got;
+  got.topk = D.topk_host();
+  got.att = D.att_host();
+  check_sparse_decode_out(B, S, got, "first run, f16");
+  for (const Step& s : steps) s.plug->destroy_plan(s.plan);
+  cudaStreamDestroy(st);
+  cudaStreamDestroy(held);
 }
 
 TEST(CudaSm90, ProbeReasons) {

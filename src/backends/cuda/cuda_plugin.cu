@@ -5,7 +5,8 @@
 //     ATTNRT_UNAVAILABLE with the runtime's reason when no driver or no device is present.
 //   * Device properties are read once in init(); probe/plan/run never query the capability.
 //   * plan() copies all metadata to plan-owned device buffers and allocates the split-KV partials;
-//     run() only launches kernels on the caller's stream (no allocation, no synchronization).
+//     it loads every kernel of the plugin on its device (the first plan there). run() only
+//     launches kernels on the caller's stream (no allocation, no synchronization, no code load).
 //   * Dense kernels: tensor-core mma.sync flash attention with cp.async K/V tiles for sm_80+
 //     (dense_mma.cu; extend: 128-row query tiles; decode: GQA group as the mma rows, split-KV
 //     with an lse merge); on compute capability 9.0 dense_extend at head_dim 128 runs the wgmma
@@ -69,8 +70,9 @@ int32_t p_device_count(int32_t kind, int32_t* count) { return g_rt.device_count(
 int32_t p_probe(const attnrt_problem* p) {
   if (int32_t s = check_device(p->device); s != ATTNRT_OK) return s;
   const attnrt_cuda_common::DeviceInfo& dev = g_rt.info(p->device.index);
-  if (dev.major < 8)
-    return fail(ATTNRT_UNAVAILABLE, "compute capability %d.%d < 8.0 (needs sm_80 or newer)",
+  // The kernels are built as sm_80 and sm_90 code only (no PTX to compile for a newer major).
+  if (dev.major < 8 || dev.major > 9)
+    return fail(ATTNRT_UNAVAILABLE, "compute capability %d.%d (built for 8.x and 9.x)",
                 dev.major, dev.minor);
   if (attnrt_cuda_sparse::is_sparse_op(p->op))
     return attnrt_cuda_sparse::probe(p, dev.major, g_error, sizeof g_error);
@@ -91,13 +93,25 @@ int32_t p_probe(const attnrt_problem* p) {
   return ATTNRT_OK;
 }
 
+// Loads every kernel of the plugin on the device (the first plan there; later ones read an
+// atomic per kernel list), so that no run() loads code (cuda_common/kernel_attr.h).
+int32_t load_kernels(int device, bool wgmma) {
+  cudaError_t e = cudaSetDevice(device);
+  if (e == cudaSuccess) e = static_cast<cudaError_t>(attnrt_cuda_dense::load_kernels(wgmma));
+  if (e == cudaSuccess) e = static_cast<cudaError_t>(attnrt_cuda_sparse::index_load_kernels());
+  if (e == cudaSuccess) e = static_cast<cudaError_t>(attnrt_cuda_sparse::attend_load_kernels());
+  if (e == cudaSuccess) return ATTNRT_OK;
+  return fail(ATTNRT_INTERNAL, "loading the kernels on cuda:%d: %s (%s)", device,
+              cudaGetErrorName(e), cudaGetErrorString(e));
+}
+
 int32_t p_plan(const attnrt_problem* p, const attnrt_layout* L, attnrt_plan* out) {
   try {
     if (int32_t s = p_probe(p); s != ATTNRT_OK) return s;
-    if (attnrt_cuda_sparse::is_sparse_op(p->op))
-      return attnrt_cuda_sparse::plan(p, L, g_rt.info(p->device.index).sms, out, g_error,
-                                      sizeof g_error);
     const attnrt_cuda_common::DeviceInfo& dev = g_rt.info(p->device.index);
+    if (int32_t s = load_kernels(p->device.index, uses_wgmma(dev)); s != ATTNRT_OK) return s;
+    if (attnrt_cuda_sparse::is_sparse_op(p->op))
+      return attnrt_cuda_sparse::plan(p, L, dev.sms, out, g_error, sizeof g_error);
     return attnrt_cuda_dense::plan(p, L, dev.sms, dev.l2_bytes, uses_wgmma(dev), out, g_error,
                                    sizeof g_error);
   } catch (...) {

@@ -85,8 +85,9 @@ struct CacheExtent {
 template <typename T>
 cudaError_t launch_extend_wgmma(const Args& a, const CacheExtent& k, const CacheExtent& v,
                                 cudaStream_t st);
-template <typename T>
-cudaError_t prepare_extend_wgmma();
+// Loads the four instances (both dtypes, both K/V paths) on the current device and sets their
+// attributes, once per device (sm_90a: compute capability 9.0 only).
+cudaError_t load_extend_wgmma_kernels();
 constexpr int kWgmmaTileRows = 128;
 
 }  // namespace attnrt_cuda_dense

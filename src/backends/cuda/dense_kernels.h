@@ -19,6 +19,10 @@ inline bool is_dense_op(int32_t op) {
   return op == ATTNRT_OP_DENSE_EXTEND || op == ATTNRT_OP_DENSE_DECODE;
 }
 
+// Loads every dense kernel on the current device (`wgmma`: the Hopper extend kernel too) and
+// sets their attributes, once per device (cuda_common/kernel_attr.h); plan() needs it done.
+// Returns a cudaError_t as int.
+int load_kernels(bool wgmma);
 // Builds a plan: extend -> query tiles (longest first), ordered in sections of KV heads that
 // fit in L2 (`l2_bytes`); decode -> split count per request from the multiprocessor count and
 // the lengths, metadata at fixed device addresses. `wgmma`: the device runs the Hopper extend

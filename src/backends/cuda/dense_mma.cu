@@ -16,6 +16,7 @@
 
 #include "cuda_common/attend_tensors.h"
 #include "cuda_common/device_runtime.h"
+#include "cuda_common/kernel_attr.h"
 #include "cuda_common/mma_sm80.cuh"
 #include "cuda_common/softmax_state.cuh"
 
@@ -445,19 +446,21 @@ void free_plan(DensePlan* p) {
   delete p;
 }
 
-template <typename T, int D, bool DECODE>
-cudaError_t prepare_one() {
-  return cudaFuncSetAttribute(attn_mma_kernel<T, D, DECODE>,
-                              cudaFuncAttributeMaxDynamicSharedMemorySize,
-                              static_cast<int>(Cfg<D, DECODE>::smem_bytes(sizeof(T))));
-}
-template <typename T>
-cudaError_t prepare_t(int d, bool decode) {
-  switch (d) {
-    case 64: return decode ? prepare_one<T, 64, true>() : prepare_one<T, 64, false>();
-    case 128: return decode ? prepare_one<T, 128, true>() : prepare_one<T, 128, false>();
-    default: return decode ? prepare_one<T, 256, true>() : prepare_one<T, 256, false>();
-  }
+// Loads the attention kernel and the decode merge of dtype T and head dim D (both modes), with
+// the attention kernel's shared-memory limit raised.
+template <typename T, int D>
+cudaError_t load_t() {
+  using attnrt_cuda_common::raise_smem_limit;
+  cudaError_t e = attnrt_cuda_common::load_kernels<attn_mma_kernel<T, D, false>,
+                                                   attn_mma_kernel<T, D, true>,
+                                                   decode_merge_kernel<T, D>>();
+  if (e == cudaSuccess)
+    e = raise_smem_limit<attn_mma_kernel<T, D, false>>(
+        static_cast<int>(Cfg<D, false>::smem_bytes(sizeof(T))));
+  if (e == cudaSuccess)
+    e = raise_smem_limit<attn_mma_kernel<T, D, true>>(
+        static_cast<int>(Cfg<D, true>::smem_bytes(sizeof(T))));
+  return e;
 }
 
 // Decode CTAs of this head dim that fit on one multiprocessor at once.
@@ -541,14 +544,6 @@ int32_t plan_impl(const attnrt_problem* p, const attnrt_layout* L, int sms, int6
   const int n = L->num_requests;
   pl->n = n;
   DK_CK(cudaSetDevice(p->device.index));
-  // Only the kernel that will run gets its shared-memory limit raised.
-  if (pl->wgmma)
-    DK_CK(p->q_dtype == ATTNRT_BF16 ? prepare_extend_wgmma<__nv_bfloat16>()
-                                    : prepare_extend_wgmma<__half>());
-  else
-    DK_CK(p->q_dtype == ATTNRT_BF16
-              ? prepare_t<__nv_bfloat16>(p->head_dim, p->op == ATTNRT_OP_DENSE_DECODE)
-              : prepare_t<__half>(p->head_dim, p->op == ATTNRT_OP_DENSE_DECODE));
   std::vector<int32_t> qstart(n + 1);
   for (int b = 0; b <= n; ++b) qstart[b] = static_cast<int32_t>(L->q_indptr[b]);
   const int total_pages = L->page_indptr[n];
@@ -615,6 +610,19 @@ int32_t plan_impl(const attnrt_problem* p, const attnrt_layout* L, int sms, int6
 }
 
 }  // namespace
+
+int load_kernels(bool wgmma) {
+  using B = __nv_bfloat16;
+  using H = __half;
+  cudaError_t e = load_t<B, 64>();
+  if (e == cudaSuccess) e = load_t<B, 128>();
+  if (e == cudaSuccess) e = load_t<B, 256>();
+  if (e == cudaSuccess) e = load_t<H, 64>();
+  if (e == cudaSuccess) e = load_t<H, 128>();
+  if (e == cudaSuccess) e = load_t<H, 256>();
+  if (e == cudaSuccess && wgmma) e = load_extend_wgmma_kernels();
+  return e;
+}
 
 int32_t plan(const attnrt_problem* p, const attnrt_layout* L, int sms, int64_t l2_bytes,
              bool wgmma, attnrt_plan* out, char* err, size_t cap) {

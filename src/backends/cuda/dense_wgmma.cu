@@ -35,6 +35,7 @@
 #include <numeric>
 #include <type_traits>
 
+#include "cuda_common/kernel_attr.h"
 #include "cuda_common/mbarrier.cuh"
 #include "cuda_common/mma_sm80.cuh"
 #include "dense_args.h"
@@ -590,14 +591,19 @@ bool encode_cache_map(CUtensorMap* map, const void* base, const CacheExtent& e, 
 
 }  // namespace
 
-template <typename T>
-cudaError_t prepare_extend_wgmma() {
-  for (auto kernel : {extend_wgmma_kernel<T, false>, extend_wgmma_kernel<T, true>})
-    if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                             static_cast<int>(kSmemBytes));
-        e != cudaSuccess)
-      return e;
-  return cudaSuccess;
+cudaError_t load_extend_wgmma_kernels() {
+  using attnrt_cuda_common::raise_smem_limit;
+  using B = __nv_bfloat16;
+  using H = __half;
+  constexpr int smem = static_cast<int>(kSmemBytes);
+  cudaError_t e = attnrt_cuda_common::load_kernels<
+      extend_wgmma_kernel<B, false>, extend_wgmma_kernel<B, true>, extend_wgmma_kernel<H, false>,
+      extend_wgmma_kernel<H, true>>();
+  if (e == cudaSuccess) e = raise_smem_limit<extend_wgmma_kernel<B, false>>(smem);
+  if (e == cudaSuccess) e = raise_smem_limit<extend_wgmma_kernel<B, true>>(smem);
+  if (e == cudaSuccess) e = raise_smem_limit<extend_wgmma_kernel<H, false>>(smem);
+  if (e == cudaSuccess) e = raise_smem_limit<extend_wgmma_kernel<H, true>>(smem);
+  return e;
 }
 
 template <typename T>
@@ -621,8 +627,6 @@ cudaError_t launch_extend_wgmma(const Args& a, const CacheExtent& k, const Cache
   return cudaGetLastError();
 }
 
-template cudaError_t prepare_extend_wgmma<__nv_bfloat16>();
-template cudaError_t prepare_extend_wgmma<__half>();
 template cudaError_t launch_extend_wgmma<__nv_bfloat16>(const Args&, const CacheExtent&,
                                                         const CacheExtent&, cudaStream_t);
 template cudaError_t launch_extend_wgmma<__half>(const Args&, const CacheExtent&,

@@ -283,13 +283,17 @@ __global__ void __launch_bounds__(kThreads) merge_kernel(AttendArgs a) {
     a.lse[row * a.lse_s0 + h] = natural_lse(m, l);
 }
 
+// Room for the most entries a CTA takes, so that one attribute serves every launch.
+template <typename T, int D>
+cudaError_t set_attributes() {
+  return attnrt_cuda_common::raise_smem_limit<attend_kernel<T, D>>(
+      static_cast<int>(Smem<D>::bytes(kMaxEntries)));
+}
+
 template <typename T, int D>
 cudaError_t launch_t(const AttendArgs& a, cudaStream_t st) {
   const size_t smem = Smem<D>::bytes(a.R * a.K);
-  if (cudaError_t e = attnrt_cuda_common::raise_smem_limit<attend_kernel<T, D>>(
-          static_cast<int>(Smem<D>::bytes(kMaxEntries)));
-      e != cudaSuccess)
-    return e;
+  if (cudaError_t e = set_attributes<T, D>(); e != cudaSuccess) return e;
   const int64_t ctas = static_cast<int64_t>(a.rows) * a.hkv * a.htiles * a.nsplit;
   if (ctas == 0) return cudaSuccess;
   attend_kernel<T, D><<<static_cast<unsigned>(ctas), kThreads, smem, st>>>(a);
@@ -303,6 +307,19 @@ cudaError_t launch_t(const AttendArgs& a, cudaStream_t st) {
 }
 
 }  // namespace
+
+int attend_load_kernels() {
+  using B = __nv_bfloat16;
+  using H = __half;
+  cudaError_t e = attnrt_cuda_common::load_kernels<
+      attend_kernel<B, 64>, attend_kernel<B, 128>, attend_kernel<H, 64>, attend_kernel<H, 128>,
+      merge_kernel<B, 64>, merge_kernel<B, 128>, merge_kernel<H, 64>, merge_kernel<H, 128>>();
+  if (e == cudaSuccess) e = set_attributes<B, 64>();
+  if (e == cudaSuccess) e = set_attributes<B, 128>();
+  if (e == cudaSuccess) e = set_attributes<H, 64>();
+  if (e == cudaSuccess) e = set_attributes<H, 128>();
+  return e;
+}
 
 int launch_attend(const AttendArgs& a, int dtype, void* stream) {
   cudaStream_t st = static_cast<cudaStream_t>(stream);

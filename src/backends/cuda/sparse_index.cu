@@ -22,6 +22,7 @@
 #include <cstdint>
 
 #include "cuda_common/block_topk.cuh"
+#include "cuda_common/kernel_attr.h"
 #include "sparse_kernels.h"
 
 namespace attnrt_cuda_sparse {
@@ -202,6 +203,17 @@ cudaError_t launch_t(const IndexArgs& a, int rw, cudaStream_t st) {
 }
 
 }  // namespace
+
+int index_load_kernels() {
+  using B = __nv_bfloat16;
+  using H = __half;
+  return attnrt_cuda_common::load_kernels<
+      index_score_kernel<B, 32, 1>, index_score_kernel<B, 32, 4>, index_score_kernel<B, 64, 1>,
+      index_score_kernel<B, 64, 4>, index_score_kernel<B, 128, 1>, index_score_kernel<B, 128, 4>,
+      index_score_kernel<H, 32, 1>, index_score_kernel<H, 32, 4>, index_score_kernel<H, 64, 1>,
+      index_score_kernel<H, 64, 4>, index_score_kernel<H, 128, 1>, index_score_kernel<H, 128, 4>,
+      index_topk_kernel>();
+}
 
 int launch_index(const IndexArgs& a, int dtype, int rows_per_tile, void* stream) {
   cudaStream_t st = static_cast<cudaStream_t>(stream);

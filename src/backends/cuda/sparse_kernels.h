@@ -81,6 +81,10 @@ struct AttendArgs : attnrt_cuda_common::AttendTensors {
 // Launchers (dtype: ATTNRT_BF16 or ATTNRT_F16; index D: 32, 64 or 128; attend D: 64 or 128).
 // Return cudaError_t as int.
 int launch_index(const IndexArgs& a, int dtype, int rows_per_tile, void* stream);
+// Load every kernel instance these launchers use on the current device and set their
+// attributes, once per device (cuda_common/kernel_attr.h). Return cudaError_t as int.
+int index_load_kernels();
+int attend_load_kernels();
 int launch_attend(const AttendArgs& a, int dtype, void* stream);
 
 }  // namespace attnrt_cuda_sparse

@@ -250,6 +250,14 @@ cudaError_t launch_t(const AttendDecodeArgs& a, cudaStream_t st) {
 
 }  // namespace
 
+int attend_decode_load_kernels() {
+  cudaError_t e = attnrt_cuda_common::load_kernels<attend_decode_kernel<__nv_bfloat16>,
+                                                   attend_decode_kernel<__half>>();
+  if (e == cudaSuccess) e = set_attributes<__nv_bfloat16>();
+  if (e == cudaSuccess) e = set_attributes<__half>();
+  return e;
+}
+
 int attend_decode_parts(int n, int sms, int* parts) {
   using K = __nv_bfloat16;  // both dtypes' kernels use the same resources
   if (cudaError_t e = set_attributes<K>(); e != cudaSuccess) return e;

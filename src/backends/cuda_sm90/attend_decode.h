@@ -22,6 +22,10 @@ struct AttendDecodeArgs : attnrt_cuda_common::AttendTensors {
   float scale_log2;  // sm_scale * log2(e)
 };
 
+// Loads the kernel of both dtypes on the current device and sets its attributes, once per
+// device (cuda_common/kernel_attr.h). Returns a cudaError_t as int.
+int attend_decode_load_kernels();
+
 // The CTAs per request for a batch of n on the current device (`sms` multiprocessors): 16 (one
 // selected block each) while the batch fits one wave of them, else the largest power of two that
 // keeps one wave of one CTA per multiprocessor. Returns a cudaError_t as int.

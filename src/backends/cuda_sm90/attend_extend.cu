@@ -205,8 +205,11 @@ __global__ void __launch_bounds__(kThreads) merge_kernel(AttendExtendArgs a, int
 }
 
 template <typename T>
+constexpr int kBlocksSmem = static_cast<int>(kSmemElems * sizeof(T));
+
+template <typename T>
 cudaError_t launch_t(const AttendExtendArgs& a, cudaStream_t st) {
-  const int smem = static_cast<int>(kSmemElems * sizeof(T));
+  constexpr int smem = kBlocksSmem<T>;
   if (cudaError_t e = raise_smem_limit<attend_blocks_kernel<T>>(smem); e != cudaSuccess) return e;
   for (int64_t r0 = 0; r0 < a.rows; r0 += kExtendChunkRows) {
     const int nrows = static_cast<int>(std::min<int64_t>(kExtendChunkRows, a.rows - r0));
@@ -224,6 +227,16 @@ cudaError_t launch_t(const AttendExtendArgs& a, cudaStream_t st) {
 }
 
 }  // namespace
+
+int attend_extend_load_kernels() {
+  using B = __nv_bfloat16;
+  using H = __half;
+  cudaError_t e = load_kernels<bucket_kernel, items_kernel, attend_blocks_kernel<B>,
+                               attend_blocks_kernel<H>, merge_kernel<B>, merge_kernel<H>>();
+  if (e == cudaSuccess) e = raise_smem_limit<attend_blocks_kernel<B>>(kBlocksSmem<B>);
+  if (e == cudaSuccess) e = raise_smem_limit<attend_blocks_kernel<H>>(kBlocksSmem<H>);
+  return e;
+}
 
 int launch_attend_extend(const AttendExtendArgs& a, int dtype, void* stream) {
   cudaStream_t st = static_cast<cudaStream_t>(stream);

@@ -49,6 +49,9 @@ inline int64_t attend_extend_max_items(int64_t rows, int total_blocks) {
   return rows * 16 / kItemTokens + total_blocks;
 }
 
+// Loads the four kernels (both dtypes) on the current device and sets their attributes, once per
+// device (cuda_common/kernel_attr.h). Returns a cudaError_t as int.
+int attend_extend_load_kernels();
 int launch_attend_extend(const AttendExtendArgs& a, int dtype, void* stream);
 
 }  // namespace attnrt_cuda_sm90

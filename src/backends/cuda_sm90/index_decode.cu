@@ -663,19 +663,23 @@ __global__ void __launch_bounds__(kThreads, kFused ? 3 : 1) index_decode_kernel(
   }
 }
 
+// All of shared memory as such (no L1 carve-out; the kernel reads through bulk copies): the SMs
+// are then configured so that the attend, launched as a programmatic dependent, fits beside the
+// indexer's CTAs and loads its queries while the scoring runs; fused, so that the resident count
+// index_decode_resident_ctas() reports holds.
+template <typename T, bool kFused>
+cudaError_t set_attributes() {
+  constexpr auto kernel = index_decode_kernel<T, kFused>;
+  if (cudaError_t e = raise_smem_limit<kernel>(smem_bytes(kFused)); e != cudaSuccess) return e;
+  return set_attribute_once<kernel, cudaFuncAttributePreferredSharedMemoryCarveout>(
+      cudaSharedmemCarveoutMaxShared);
+}
+
 template <typename T, bool kFused>
 cudaError_t launch_t(const SparseDecodeArgs& a, cudaStream_t st) {
   constexpr auto kernel = index_decode_kernel<T, kFused>;
   const int smem = smem_bytes(kFused);
-  if (cudaError_t e = raise_smem_limit<kernel>(smem); e != cudaSuccess) return e;
-  // All of shared memory as such (no L1 carve-out; the kernel reads through bulk copies): the
-  // SMs are then configured so that the attend, launched as a programmatic dependent, fits
-  // beside the indexer's CTAs and loads its queries while the scoring runs; fused, so that the
-  // resident count index_decode_resident_ctas() reports holds.
-  if (cudaError_t e = set_attribute_once<kernel, cudaFuncAttributePreferredSharedMemoryCarveout>(
-          cudaSharedmemCarveoutMaxShared);
-      e != cudaSuccess)
-    return e;
+  if (cudaError_t e = set_attributes<T, kFused>(); e != cudaSuccess) return e;
   const int64_t grid = static_cast<int64_t>(a.n) * a.ctas_per_request;
   if (grid <= 0) return cudaSuccess;
   // Not cooperative: a request's CTAs wait for each other only once all have started (the
@@ -692,14 +696,7 @@ template <bool kFused>
 int resident_ctas(int sms, int* ctas) {
   constexpr auto kernel = index_decode_kernel<__nv_bfloat16, kFused>;  // f16: same resources
   const int smem = smem_bytes(kFused);
-  if (cudaError_t e = raise_smem_limit<kernel>(smem); e != cudaSuccess) return e;
-  if constexpr (kFused) {
-    if (cudaError_t e =
-            set_attribute_once<kernel, cudaFuncAttributePreferredSharedMemoryCarveout>(
-                cudaSharedmemCarveoutMaxShared);
-        e != cudaSuccess)
-      return e;
-  }
+  if (cudaError_t e = set_attributes<__nv_bfloat16, kFused>(); e != cudaSuccess) return e;
   int per_sm = 0;
   if (cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem);
       e != cudaSuccess)
@@ -715,6 +712,18 @@ int index_decode_solo_requests(bool fused, uint64_t* count) {
   const size_t at = fused ? sizeof n : 0;
   const cudaError_t e = cudaMemcpyFromSymbol(&n, g_solo_requests, sizeof n, at);
   *count = n;
+  return e;
+}
+
+int index_decode_load_kernels() {
+  using attnrt_cuda_common::load_kernels;
+  using B = __nv_bfloat16;
+  cudaError_t e = load_kernels<index_decode_kernel<B, false>, index_decode_kernel<B, true>,
+                               index_decode_kernel<__half, false>, index_decode_kernel<__half, true>>();
+  if (e == cudaSuccess) e = set_attributes<B, false>();
+  if (e == cudaSuccess) e = set_attributes<B, true>();
+  if (e == cudaSuccess) e = set_attributes<__half, false>();
+  if (e == cudaSuccess) e = set_attributes<__half, true>();
   return e;
 }
 

@@ -85,6 +85,9 @@ struct SparseDecodeArgs : IndexDecodeArgs {
 // Launch on `stream`; return a cudaError_t as int. dtype: ATTNRT_BF16 or ATTNRT_F16.
 int launch_index_decode(const IndexDecodeArgs& a, int dtype, void* stream);
 int launch_sparse_decode(const SparseDecodeArgs& a, int dtype, void* stream);
+// Loads both kernels (indexer alone, fused) of both dtypes on the current device and sets their
+// attributes, once per device (cuda_common/kernel_attr.h). Returns a cudaError_t as int.
+int index_decode_load_kernels();
 // How many CTAs of the indexer (fused: with the attend) the device holds at once (`sms`
 // multiprocessors): the plan sizes the grid to one such wave, in which a request's CTAs start
 // together and share its work. Returns a cudaError_t as int.

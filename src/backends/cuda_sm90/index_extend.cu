@@ -168,8 +168,11 @@ __global__ void __launch_bounds__(kTopkThreads) index_topk_kernel(IndexExtendArg
 }
 
 template <typename T>
+constexpr int kScoresSmem = kStages * kTileElems * static_cast<int>(sizeof(T));
+
+template <typename T>
 cudaError_t launch_t(const IndexExtendArgs& a, cudaStream_t st) {
-  const int smem = kStages * kTileElems * static_cast<int>(sizeof(T));
+  constexpr int smem = kScoresSmem<T>;
   if (cudaError_t e = raise_smem_limit<index_scores_kernel<T>>(smem); e != cudaSuccess) return e;
   if (a.num_items > 0) index_scores_kernel<T><<<a.num_items, kThreads, smem, st>>>(a);
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
@@ -179,6 +182,14 @@ cudaError_t launch_t(const IndexExtendArgs& a, cudaStream_t st) {
 }
 
 }  // namespace
+
+int index_extend_load_kernels() {
+  using B = __nv_bfloat16;
+  cudaError_t e = load_kernels<index_scores_kernel<B>, index_scores_kernel<__half>, index_topk_kernel>();
+  if (e == cudaSuccess) e = raise_smem_limit<index_scores_kernel<B>>(kScoresSmem<B>);
+  if (e == cudaSuccess) e = raise_smem_limit<index_scores_kernel<__half>>(kScoresSmem<__half>);
+  return e;
+}
 
 int launch_index_extend(const IndexExtendArgs& a, int dtype, void* stream) {
   cudaStream_t st = static_cast<cudaStream_t>(stream);

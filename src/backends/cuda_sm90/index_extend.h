@@ -28,6 +28,9 @@ struct IndexExtendArgs : IndexArgsBase {
   int64_t total_tokens;
 };
 
+// Loads both kernels of both dtypes on the current device and sets their attributes, once per
+// device (cuda_common/kernel_attr.h). Returns a cudaError_t as int.
+int index_extend_load_kernels();
 // Launches both kernels on `stream`; returns a cudaError_t as int. dtype: ATTNRT_BF16 or F16.
 int launch_index_extend(const IndexExtendArgs& a, int dtype, void* stream);
 

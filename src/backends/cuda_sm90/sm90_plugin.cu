@@ -17,8 +17,9 @@
 //
 // Contract notes: cudart is linked statically (loads without a driver; init() then reports why);
 // device properties are read once in init(); plan() allocates every device buffer the op needs
-// (metadata, scores, counters) with room for decode growth; run() only launches; update_plan
-// refreshes lengths and page ids in place for CUDA-graph replay.
+// (metadata, scores, counters) with room for decode growth, and loads every kernel of the plugin
+// on its device; run() only launches; update_plan refreshes lengths and page ids in place for
+// CUDA-graph replay.
 #include <attnrt/plugin.h>
 
 #include <cuda_runtime.h>
@@ -387,9 +388,22 @@ int32_t plan_impl(const attnrt_problem* p, const attnrt_layout* L, Sm90Plan* pl)
   return ATTNRT_OK;
 }
 
+// Loads every kernel of the plugin on the device (the first plan there; later ones read an
+// atomic per kernel list), so that no run() loads code (cuda_common/kernel_attr.h).
+int32_t load_kernels(int device) {
+  using namespace attnrt_cuda_sm90;
+  CK(cudaSetDevice(device));
+  CK(static_cast<cudaError_t>(index_decode_load_kernels()));
+  CK(static_cast<cudaError_t>(attend_decode_load_kernels()));
+  CK(static_cast<cudaError_t>(index_extend_load_kernels()));
+  CK(static_cast<cudaError_t>(attend_extend_load_kernels()));
+  return ATTNRT_OK;
+}
+
 int32_t p_plan(const attnrt_problem* p, const attnrt_layout* L, attnrt_plan* out) {
   try {
     if (int32_t s = p_probe(p); s != ATTNRT_OK) return s;
+    if (int32_t s = load_kernels(p->device.index); s != ATTNRT_OK) return s;
     Sm90Plan* pl = new (std::nothrow) Sm90Plan{};
     if (!pl) return fail(ATTNRT_INTERNAL, "out of host memory");
     if (int32_t s = plan_impl(p, L, pl); s != ATTNRT_OK) {
