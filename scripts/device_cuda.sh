@@ -7,7 +7,7 @@
 # attnrt_gpu_sparse_tests,attnrt_gpu_sm90_tests} and build/lib/{libattnrt.so.0.1.0,
 # libattnrt_cuda.so,libattnrt_cuda_sm90.so}.
 # Usage: scripts/device_cuda.sh [build-dir] [steps...]
-#   steps: tests sparse sm90 memcheck bench run torch m3dense hang ab m3
+#   steps: tests sparse sm90 memcheck bench run torch m3dense hang ab first m3
 #          (default: tests sparse sm90 memcheck bench run torch m3dense)
 #   m3dense: dense decode through torch (cuDNN, flash) at the shapes of the sm90 BenchM3, timed
 #       the same way (graph, cold L2), so sparse and dense decode compare on the same card.
@@ -20,6 +20,10 @@
 #       (default 1x64k,1x128k,4x64k,8x64k) alternating the two, the sparse-decode tests, `attnrt
 #       run --check` on minimax-m3-tp4 (8k prompt), a profiling build's phases ($B/lib/trace_sm90.so,
 #       if carried) and a second round of timings, while $BUDGET seconds (default 300) last.
+#   first: CudaSm90.FirstRunsLoadNoCode alone (a fresh process: no kernel launched yet) with
+#       the candidate plugins, then, if carried, with $B/lib/base_sm90.so as the fast path, lazily
+#       and eagerly loaded (CUDA_MODULE_LOADING=EAGER): whether a first run() that loads code
+#       waits for another stream's kernel on this driver, and whether plan() loading prevents it.
 #   m3: `attnrt run --device cuda:0 --check` on minimax-m3-tp4 with a 64k prompt (the last 4
 #       query tokens of the prompt checked per layer; minutes of host reference), then shorter
 #       runs with the cuda_sm90 fast path off (ATTNRT_DISABLE, and a page size it does not take).
@@ -136,6 +140,23 @@ if has ab; then
   if (( $(left) > 30 )); then ab_bench new2 "" "$ab_shapes"; fi
   if (( $(left) > 30 )); then ab_bench base2 base_sm90.so "$ab_shapes"; fi
   echo "ab done t=$((SECONDS - T0))"
+fi
+if has first; then
+  first_run() {  # tag, then env assignments
+    local tag=$1
+    shift
+    echo "== first runs: $tag"
+    env "$@" timeout 60 "$B/bin/attnrt_gpu_sm90_tests" --gtest_filter=CudaSm90.FirstRunsLoadNoCode \
+      > "$LOGS/first_$tag.log" 2>&1
+    echo "rc=$?"
+    grep -E "plan of op|first runs|Failure|finished only|OK \]|FAILED \]" "$LOGS/first_$tag.log" | cut -c1-150
+  }
+  first_run new
+  if [ -f "$B/lib/base_sm90.so" ]; then
+    first_run base ATTNRT_CUDA_PLUGIN="$PWD/$B/lib/base_sm90.so"
+    first_run base_eager ATTNRT_CUDA_PLUGIN="$PWD/$B/lib/base_sm90.so" CUDA_MODULE_LOADING=EAGER
+  fi
+  bundle
 fi
 if has m3; then
   export ATTNRT_PLUGIN_PATH="$B/lib"
