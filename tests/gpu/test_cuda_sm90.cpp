@@ -57,6 +57,39 @@ void check_sparse_decode_out(const Batch& B, const SparseParams& S, const Sparse
                              const std::string& what);
 std::string plugin_error_after_failure(const attnrt_plugin_v1* plug);
 
+// What launches beside a kernel that holds all but 4 multiprocessors gave: run()'s status, the
+// stream's once done (or after 20 s), the host time from the launch to then, and how many of
+// the holding kernel's CTAs still ran then.
+struct BesideHeldSms {
+  int32_t status = ATTNRT_OK;
+  cudaError_t stream = cudaErrorNotReady;
+  double ms = 0;
+  int still_held = 0, held = 0;
+};
+// Starts the holding kernel on `held` (it ends when released or after `limit_ms`), calls
+// launch() (which enqueues on `st` and returns run()'s status), waits for `st`, then releases
+// the holding kernel.
+template <class F>
+BesideHeldSms run_beside_held_sms(cudaStream_t held, cudaStream_t st, int limit_ms, F launch) {
+  BesideHeldSms b;
+  SmOccupier occ;
+  if (cudaError_t e = sm_occupier_start(4, limit_ms, held, &occ); e != cudaSuccess) {
+    ADD_FAILURE() << "the kernel holding the SMs did not start: " << cudaGetErrorString(e);
+    b.stream = e;
+    return b;
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  b.status = launch();
+  while ((b.stream = cudaStreamQuery(st)) == cudaErrorNotReady &&
+         std::chrono::steady_clock::now() - t0 < std::chrono::seconds(20))
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  b.ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  b.held = occ.ctas;
+  for (int i = 0; i < occ.ctas; ++i) b.still_held += occ.running[i];
+  EXPECT_EQ(sm_occupier_release(&occ, held), cudaSuccess);
+  return b;
+}
+
 // The first test of the binary, so that no kernel of either plugin has run in the process yet:
 // the first run() of a plan must not load code. Under CUDA's lazy loading a kernel loads at its
 // first launch, and a load may wait for every kernel on the device; a kernel of the engine's on
@@ -97,29 +130,21 @@ TEST(CudaSm90, FirstRunsLoadNoCode) {
   cudaStream_t held, st;
   ASSERT_EQ(cudaStreamCreateWithFlags(&held, cudaStreamNonBlocking), cudaSuccess);
   ASSERT_EQ(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), cudaSuccess);
-  SmOccupier occ;
-  ASSERT_EQ(sm_occupier_start(4, 10000, held, &occ), cudaSuccess);
-  const auto t0 = std::chrono::steady_clock::now();
-  int32_t r = ATTNRT_OK;
-  for (const Step& s : steps) {
-    const attnrt_tensors ts = D.tensors(s.op);
-    if (r == ATTNRT_OK) r = s.plug->run(s.plan, &ts, st);
-  }
-  cudaError_t q = cudaErrorNotReady;
-  while ((q = cudaStreamQuery(st)) == cudaErrorNotReady &&
-         std::chrono::steady_clock::now() - t0 < std::chrono::seconds(20))
-    std::this_thread::sleep_for(std::chrono::microseconds(200));
-  const double ms =
-      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-  int still_held = 0;  // the occupier's CTAs still running once the steps are over
-  for (int i = 0; i < occ.ctas; ++i) still_held += occ.running[i];
-  EXPECT_EQ(sm_occupier_release(&occ, held), cudaSuccess);
-  ASSERT_EQ(r, ATTNRT_OK) << g_plugin->last_error() << " / " << generic->last_error();
-  ASSERT_EQ(q, cudaSuccess) << "the steps did not finish (" << cudaGetErrorString(q) << "); "
-                            << plugin_error_after_failure(g_plugin);
-  EXPECT_EQ(still_held, occ.ctas)
-      << "the first runs finished only after the kernel beside them had ended (" << ms << " ms)";
-  std::printf("first runs of 3 f16 plans beside %d held multiprocessors: %.2f ms\n", occ.ctas, ms);
+  const BesideHeldSms b = run_beside_held_sms(held, st, 10000, [&] {
+    int32_t r = ATTNRT_OK;
+    for (const Step& s : steps) {
+      const attnrt_tensors ts = D.tensors(s.op);
+      if (r == ATTNRT_OK) r = s.plug->run(s.plan, &ts, st);
+    }
+    return r;
+  });
+  ASSERT_EQ(b.status, ATTNRT_OK) << g_plugin->last_error() << " / " << generic->last_error();
+  ASSERT_EQ(b.stream, cudaSuccess) << "the steps did not finish ("
+                                   << cudaGetErrorString(b.stream) << "); "
+                                   << plugin_error_after_failure(g_plugin);
+  EXPECT_EQ(b.still_held, b.held)
+      << "the first runs finished only after the kernel beside them had ended (" << b.ms << " ms)";
+  std::printf("first runs of 3 f16 plans beside %d held multiprocessors: %.2f ms\n", b.held, b.ms);
   SparseDecodeOut got;
   got.topk = D.topk_host();
   got.att = D.att_host();
@@ -707,26 +732,15 @@ TEST(CudaSm90, DecodeFinishesBesideAKernelHoldingMostSms) {
     // Before the occupier starts: reading the phase tables synchronizes the device.
     const uint64_t solo0 = solo_requests();
     clear_phases();
-    SmOccupier occ;
-    ASSERT_EQ(sm_occupier_start(4, 30000, held, &occ), cudaSuccess);
-    const auto t0 = std::chrono::steady_clock::now();
-    const int32_t r = g_plugin->run(plan, &ts, st);
-    cudaError_t q = cudaErrorNotReady;
-    while ((q = cudaStreamQuery(st)) == cudaErrorNotReady &&
-           std::chrono::steady_clock::now() - t0 < std::chrono::seconds(20))
-      std::this_thread::sleep_for(std::chrono::microseconds(200));
-    const double ms =
-        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-    int still_held = 0;  // the occupier's CTAs still running once the step is over
-    for (int i = 0; i < occ.ctas; ++i) still_held += occ.running[i];
-    EXPECT_EQ(sm_occupier_release(&occ, held), cudaSuccess);
-    ASSERT_EQ(r, ATTNRT_OK) << g_plugin->last_error();
-    ASSERT_EQ(q, cudaSuccess) << "the step did not finish beside the occupier ("
-                              << cudaGetErrorString(q) << "); "
-                              << plugin_error_after_failure(g_plugin);
-    EXPECT_EQ(still_held, occ.ctas) << "the multiprocessors were not held for the whole step";
+    const BesideHeldSms bs =
+        run_beside_held_sms(held, st, 30000, [&] { return g_plugin->run(plan, &ts, st); });
+    ASSERT_EQ(bs.status, ATTNRT_OK) << g_plugin->last_error();
+    ASSERT_EQ(bs.stream, cudaSuccess) << "the step did not finish beside the occupier ("
+                                      << cudaGetErrorString(bs.stream) << "); "
+                                      << plugin_error_after_failure(g_plugin);
+    EXPECT_EQ(bs.still_held, bs.held) << "the multiprocessors were not held for the whole step";
     EXPECT_EQ(solo_requests() - solo0, 1u) << "the request did not run solo";
-    std::printf("sm90 op %d beside %d held multiprocessors: %.2f ms\n", op, occ.ctas, ms);
+    std::printf("sm90 op %d beside %d held multiprocessors: %.2f ms\n", op, bs.held, bs.ms);
     auto check = [&](const char* what) {
       SparseDecodeOut got;
       got.topk = D.topk_host();
