@@ -66,14 +66,18 @@ struct BesideHeldSms {
   double ms = 0;
   int still_held = 0, held = 0;
 };
-// Starts the holding kernel on `held` (it ends when released or after `limit_ms`), calls
-// launch() (which enqueues on `st` and returns run()'s status), waits for `st`, then releases
-// the holding kernel.
+// Starts the holding kernel on a stream of its own (it ends when released or after
+// `limit_ms`), calls launch() (which enqueues on `st` and returns run()'s status), waits for
+// `st`, then releases the holding kernel.
 template <class F>
-BesideHeldSms run_beside_held_sms(cudaStream_t held, cudaStream_t st, int limit_ms, F launch) {
+BesideHeldSms run_beside_held_sms(cudaStream_t st, int limit_ms, F launch) {
   BesideHeldSms b;
+  cudaStream_t held;
   SmOccupier occ;
-  if (cudaError_t e = sm_occupier_start(4, limit_ms, held, &occ); e != cudaSuccess) {
+  cudaError_t e = cudaStreamCreateWithFlags(&held, cudaStreamNonBlocking);
+  if (e == cudaSuccess && (e = sm_occupier_start(4, limit_ms, held, &occ)) != cudaSuccess)
+    cudaStreamDestroy(held);
+  if (e != cudaSuccess) {
     ADD_FAILURE() << "the kernel holding the SMs did not start: " << cudaGetErrorString(e);
     b.stream = e;
     return b;
@@ -87,6 +91,7 @@ BesideHeldSms run_beside_held_sms(cudaStream_t held, cudaStream_t st, int limit_
   b.held = occ.ctas;
   for (int i = 0; i < occ.ctas; ++i) b.still_held += occ.running[i];
   EXPECT_EQ(sm_occupier_release(&occ, held), cudaSuccess);
+  cudaStreamDestroy(held);
   return b;
 }
 
@@ -127,10 +132,9 @@ TEST(CudaSm90, FirstRunsLoadNoCode) {
                     .count());
   }
   D.poison();
-  cudaStream_t held, st;
-  ASSERT_EQ(cudaStreamCreateWithFlags(&held, cudaStreamNonBlocking), cudaSuccess);
+  cudaStream_t st;
   ASSERT_EQ(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), cudaSuccess);
-  const BesideHeldSms b = run_beside_held_sms(held, st, 10000, [&] {
+  const BesideHeldSms b = run_beside_held_sms(st, 10000, [&] {
     int32_t r = ATTNRT_OK;
     for (const Step& s : steps) {
       const attnrt_tensors ts = D.tensors(s.op);
@@ -151,7 +155,6 @@ TEST(CudaSm90, FirstRunsLoadNoCode) {
   check_sparse_decode_out(B, S, got, "first run, f16");
   for (const Step& s : steps) s.plug->destroy_plan(s.plan);
   cudaStreamDestroy(st);
-  cudaStreamDestroy(held);
 }
 
 TEST(CudaSm90, ProbeReasons) {
@@ -726,14 +729,13 @@ TEST(CudaSm90, DecodeFinishesBesideAKernelHoldingMostSms) {
     ASSERT_EQ(g_plugin->plan(&p, &L, &plan), ATTNRT_OK) << g_plugin->last_error();
     const attnrt_tensors ts = D.tensors(op);
     D.poison();
-    cudaStream_t held, st;
-    ASSERT_EQ(cudaStreamCreateWithFlags(&held, cudaStreamNonBlocking), cudaSuccess);
+    cudaStream_t st;
     ASSERT_EQ(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), cudaSuccess);
     // Before the occupier starts: reading the phase tables synchronizes the device.
     const uint64_t solo0 = solo_requests();
     clear_phases();
     const BesideHeldSms bs =
-        run_beside_held_sms(held, st, 30000, [&] { return g_plugin->run(plan, &ts, st); });
+        run_beside_held_sms(st, 30000, [&] { return g_plugin->run(plan, &ts, st); });
     ASSERT_EQ(bs.status, ATTNRT_OK) << g_plugin->last_error();
     ASSERT_EQ(bs.stream, cudaSuccess) << "the step did not finish beside the occupier ("
                                       << cudaGetErrorString(bs.stream) << "); "
@@ -765,7 +767,6 @@ TEST(CudaSm90, DecodeFinishesBesideAKernelHoldingMostSms) {
     EXPECT_EQ(solo_requests(), solo1) << "a launch on the free GPU ran solo";
     check("then on the free GPU");
     cudaStreamDestroy(st);
-    cudaStreamDestroy(held);
     g_plugin->destroy_plan(plan);
   }
 }
