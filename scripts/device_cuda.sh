@@ -20,6 +20,7 @@
 #       (default 1x64k,1x128k,4x64k,8x64k) alternating the two, the sparse-decode tests, `attnrt
 #       run --check` on minimax-m3-tp4 (8k prompt), a profiling build's phases ($B/lib/trace_sm90.so,
 #       if carried) and a second round of timings, while $BUDGET seconds (default 300) last.
+#       $EXTRA: more candidate plugins (file names under $B/lib) timed in both rounds.
 #   first: CudaSm90.FirstRunsLoadNoCode alone (a fresh process: no kernel launched yet) with
 #       the candidate plugins, then, if carried, with $B/lib/base_sm90.so as the fast path, lazily
 #       and eagerly loaded (CUDA_MODULE_LOADING=EAGER): whether a first run() that loads code
@@ -121,6 +122,7 @@ if has ab; then
   }
   ab_bench new1 "" "$ab_shapes"
   ab_bench base1 base_sm90.so "$ab_shapes"
+  for x in ${EXTRA:-}; do ab_bench "${x%.so}1" "$x" "$ab_shapes"; done
   echo "== sm90 decode tests t=$((SECONDS - T0))"
   timeout 150 stdbuf -oL "$B/bin/attnrt_gpu_sm90_tests" \
     --gtest_filter='*SparseDecode*:*Death*:*GraphReplays*:*IndexDecode*:*Solo*:*Beside*' \
@@ -139,6 +141,7 @@ if has ab; then
   if [ -f "$B/lib/trace_sm90.so" ] && (( $(left) > 30 )); then ab_bench trace trace_sm90.so 1x64k,4x64k fused; fi
   if (( $(left) > 30 )); then ab_bench new2 "" "$ab_shapes"; fi
   if (( $(left) > 30 )); then ab_bench base2 base_sm90.so "$ab_shapes"; fi
+  for x in ${EXTRA:-}; do if (( $(left) > 30 )); then ab_bench "${x%.so}2" "$x" "$ab_shapes"; fi; done
   echo "ab done t=$((SECONDS - T0))"
 fi
 if has first; then
