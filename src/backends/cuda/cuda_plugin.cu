@@ -109,10 +109,12 @@ int32_t p_plan(const attnrt_problem* p, const attnrt_layout* L, attnrt_plan* out
   try {
     if (int32_t s = p_probe(p); s != ATTNRT_OK) return s;
     const attnrt_cuda_common::DeviceInfo& dev = g_rt.info(p->device.index);
-    if (int32_t s = load_kernels(p->device.index, uses_wgmma(dev)); s != ATTNRT_OK) return s;
+    // The dense plan picks its extend kernel by `wgmma`, whose attributes the load has set.
+    const bool wgmma = uses_wgmma(dev);
+    if (int32_t s = load_kernels(p->device.index, wgmma); s != ATTNRT_OK) return s;
     if (attnrt_cuda_sparse::is_sparse_op(p->op))
       return attnrt_cuda_sparse::plan(p, L, dev.sms, out, g_error, sizeof g_error);
-    return attnrt_cuda_dense::plan(p, L, dev.sms, dev.l2_bytes, uses_wgmma(dev), out, g_error,
+    return attnrt_cuda_dense::plan(p, L, dev.sms, dev.l2_bytes, wgmma, out, g_error,
                                    sizeof g_error);
   } catch (...) {
     return fail(ATTNRT_INTERNAL, "exception in cuda plan");
