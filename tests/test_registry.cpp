@@ -681,6 +681,43 @@ TEST(PlanCache, UpdateRefreshesInPlaceAndLeavesTheCache) {
   EXPECT_EQ(again->layout(), old_layout);
 }
 
+// A run racing update() of the same plan runs the layout its tensors were checked against: a
+// layout whose page lies past the pools is refused with InvalidArgument, never read from, and
+// every run that goes through computes the good layout.
+TEST(PlanCache, RunRacingUpdateRunsTheLayoutItChecked) {
+  Runtime rt(options_for("healthy"));
+  DenseCase c(test::fresh_seed(), Op::dense_decode, 29);
+  BatchLayout past_pool = c.layout;
+  past_pool.page_ids.back() = 50'000'000;  // update() cannot know the pools; run() can
+  auto plan = rt.plan(c.problem, c.layout);
+  ASSERT_EQ(plan->backend(), "fault_healthy");
+  std::atomic<bool> stop{false};
+  std::atomic<int> refused{0};
+  std::thread updater([&] {
+    for (int i = 0; !stop; ++i)
+      EXPECT_EQ(rt.update(plan, i % 2 ? c.layout : past_pool).get(), plan.get());
+  });
+  int ran = 0;
+  double worst = 0;
+  for (int i = 0; i < 3000; ++i) {
+    test::poison(c.out);
+    test::poison(c.lse);
+    try {
+      rt.run(*plan, c.tensors());
+      ++ran;
+      worst = std::max(worst, c.err());
+    } catch (const InvalidArgument& e) {
+      ++refused;
+      EXPECT_THAT(e.what(), testing::HasSubstr("50000000"));
+    }
+  }
+  stop = true;
+  updater.join();
+  EXPECT_LT(worst, 1e-5) << "a run that went through computed another layout";
+  EXPECT_GT(ran + refused, 0);
+  std::printf("%d runs went through, %d were refused\n", ran, refused.load());
+}
+
 TEST(PlanCache, ExactKeys) {
   Runtime rt(options_for("none"));
   DenseCase a(1), b(1, Op::dense_extend, 30);  // differ in one kv_len

@@ -56,7 +56,8 @@ class Plan {
  public:
   ~Plan();
   const Problem& problem() const;
-  const BatchLayout& layout() const;
+  // A copy: update() may change a shared plan's layout while another thread reads it.
+  BatchLayout layout() const;
   // Name of the backend that currently serves this plan (changes only on fallback).
   std::string backend() const;
 

@@ -54,7 +54,7 @@ struct Plan::State {
   Problem problem;
   BatchLayout layout;
   MaxPage max_page;  // validated layout's largest page id, checked against each run's pools
-  mutable std::shared_mutex mu;  // guards backend and bplan (changed only on fallback)
+  mutable std::shared_mutex mu;  // guards layout and max_page (update) and backend and bplan (fallback)
   Backend* backend = nullptr;
   std::unique_ptr<BackendPlan> bplan;
 };
@@ -62,7 +62,10 @@ struct Plan::State {
 Plan::Plan(std::unique_ptr<State> s) : state_(std::move(s)) {}
 Plan::~Plan() = default;
 const Problem& Plan::problem() const { return state_->problem; }
-const BatchLayout& Plan::layout() const { return state_->layout; }
+BatchLayout Plan::layout() const {
+  std::shared_lock lock(state_->mu);
+  return state_->layout;
+}
 std::string Plan::backend() const {
   std::shared_lock lock(state_->mu);
   return state_->backend ? state_->backend->name() : "";
@@ -287,8 +290,9 @@ struct Runtime::Impl {
     std::lock_guard lock(cache_mu);
     auto range = cache.equal_range(key);
     for (auto it = range.first; it != range.second; ++it) {
-      const Plan& pl = *it->second.plan;
-      if (same_problem(pl.problem(), p) && pl.layout() == l) {
+      const Plan::State& st = *it->second.plan->state_;
+      std::shared_lock plan_lock(st.mu);
+      if (same_problem(st.problem, p) && st.layout == l) {
         lru.splice(lru.begin(), lru, it->second.lru);
         return it->second.plan;
       }
@@ -379,16 +383,15 @@ std::shared_ptr<const Plan> Runtime::plan(const Problem& problem, const BatchLay
 
 void Runtime::run(const Plan& plan, const Tensors& tensors) {
   Plan::State& s = *plan.state_;
-  {
-    std::shared_lock lock(s.mu);  // update() may change the layout of a shared plan
-    validate_tensors(s.problem, s.layout, s.max_page, tensors);
-  }
   Workspace& ws = impl_->workspace(s.problem.device);
   std::vector<Impl::Failure> failures;
   for (;;) {
     Backend* used = nullptr;
     {
+      // One lock from the check to the backend's run: update() may change the layout of a
+      // shared plan, and the backend must run the very layout the tensors were checked against.
       std::shared_lock lock(s.mu);
+      validate_tensors(s.problem, s.layout, s.max_page, tensors);
       used = s.backend;
       if (used) {
         try {
@@ -421,11 +424,15 @@ void Runtime::execute(const Problem& problem, const BatchLayout& layout, const T
 
 std::shared_ptr<const Plan> Runtime::update(const std::shared_ptr<const Plan>& old,
                                             const BatchLayout& layout) {
-  const Problem& p = old->problem();
-  if (layout.num_requests() != old->layout().num_requests())
-    return plan(p, layout);
-  MaxPage max_page = validate_layout(p, layout);
   Plan::State& s = *old->state_;
+  const Problem& p = s.problem;
+  bool same_requests;
+  {
+    std::shared_lock lock(s.mu);
+    same_requests = layout.num_requests() == s.layout.num_requests();
+  }
+  if (!same_requests) return plan(p, layout);
+  MaxPage max_page = validate_layout(p, layout);
   // The plan changes in place: it no longer answers plan() for its old layout.
   impl_->cache_erase(old.get());
   std::unique_lock lock(s.mu);
