@@ -229,6 +229,35 @@ TEST(CudaSparse, SparseDecodeEqualsIndexThenAttend) {
   }
 }
 
+// A run the plugin refuses writes nothing (plugin.h's contract): a sparse_decode whose query
+// rows are not 16-byte aligned is refused before its indexer half writes topk.
+TEST(CudaSparse, RefusedSparseDecodeWritesNothing) {
+  REQUIRE_GPU();
+  const Batch B = make_batch(ATTNRT_BF16, 8, 2, 2, 64, 64, {1, 1}, {3000, 700}, 17);
+  SparseParams S;
+  S.B = 64;
+  S.K = 4;
+  S.lse = true;
+  const Paging P = make_paging(B, 32, 5);
+  DeviceBatch D(B, P, S, ATTNRT_OP_SPARSE_DECODE);
+  attnrt_problem p = problem_of(ATTNRT_OP_SPARSE_DECODE, B, S, P.ps);
+  attnrt_layout L = layout_of(B, P);
+  attnrt_plan plan = nullptr;
+  ASSERT_EQ(g_plugin->plan(&p, &L, &plan), ATTNRT_OK) << g_plugin->last_error();
+  attnrt_tensors ts = D.tensors(ATTNRT_OP_SPARSE_DECODE);
+  ts.q.data = static_cast<char*>(ts.q.data) + 2;  // one element on: 2-byte aligned rows
+  D.poison();
+  EXPECT_EQ(g_plugin->run(plan, &ts, nullptr), ATTNRT_UNAVAILABLE);
+  EXPECT_NE(std::string(g_plugin->last_error()).find("aligned"), std::string::npos)
+      << g_plugin->last_error();
+  EXPECT_EQ(g_plugin->synchronize({ATTNRT_DEVICE_CUDA, 0}), ATTNRT_OK) << g_plugin->last_error();
+  EXPECT_EQ(D.topk_host(), std::vector<int32_t>(D.topk_count(), -7)) << "topk written";
+  const AttendOut o = D.att_host();
+  EXPECT_TRUE(std::all_of(o.o.begin(), o.o.end(), [](uint16_t x) { return x == 0x7fc1; }))
+      << "out written";
+  g_plugin->destroy_plan(plan);
+}
+
 // Long-context decode, M3 per-rank shape, indexer + attend, checked against the reference.
 TEST(CudaSparse, LongContextDecode) {
   REQUIRE_GPU();

@@ -299,15 +299,9 @@ int32_t update(attnrt_plan plan, const attnrt_layout* L, char* err, size_t cap) 
   return ATTNRT_OK;
 }
 
-int32_t run(attnrt_plan plan, const attnrt_tensors* t, void* stream, char* err, size_t cap) {
-  if (reinterpret_cast<const attnrt_problem*>(plan)->op == ATTNRT_OP_SPARSE_DECODE) {
-    const ComposedPlan* c = reinterpret_cast<const ComposedPlan*>(plan);
-    if (int32_t s = run(c->index, t, stream, err, cap); s != ATTNRT_OK) return s;
-    return run(c->attend, t, stream, err, cap);
-  }
-  const SparsePlan& pl = *reinterpret_cast<const SparsePlan*>(plan);
+// Every refusal of a run of `pl` on `t`, before anything is launched.
+int32_t check_tensors(const SparsePlan& pl, const attnrt_tensors* t, char* err, size_t cap) {
   const attnrt_problem& p = pl.problem;
-  SCK(cudaSetDevice(p.device.index));
   if (!t->topk.data || t->topk.rank != 3)
     return say(err, cap, ATTNRT_INVALID, "topk must be present with rank 3");
   if (is_index_op(p.op)) {
@@ -317,6 +311,39 @@ int32_t run(attnrt_plan plan, const attnrt_tensors* t, void* stream, char* err, 
     if (!rows_aligned(t->index_q) || !rows_aligned(t->index_k_cache))
       return say(err, cap, ATTNRT_UNAVAILABLE,
                  "cuda sparse needs 16-byte aligned index rows (strides multiple of 8)");
+    return ATTNRT_OK;
+  }
+  const attnrt_tensor* need[] = {&t->q, &t->out, &t->k_cache, &t->v_cache};
+  for (const attnrt_tensor* x : need)
+    if (!x->data) return say(err, cap, ATTNRT_INVALID, "q, out, k_cache and v_cache required");
+  if (t->q.rank != 3 || t->out.rank != 3 || t->k_cache.rank != 4 || t->v_cache.rank != 4)
+    return say(err, cap, ATTNRT_INVALID, "q/out rank 3, k_cache/v_cache rank 4 required");
+  for (const attnrt_tensor* x : need)
+    if (!rows_aligned(*x))
+      return say(err, cap, ATTNRT_UNAVAILABLE,
+                 "cuda sparse needs 16-byte aligned rows (strides multiple of 8, unit inner)");
+  if (p.write_lse && (!t->lse.data || t->lse.strides[1] != 1))
+    return say(err, cap, ATTNRT_INVALID, "lse must be present with unit innermost stride");
+  if (p.has_sink && !t->sink.data) return say(err, cap, ATTNRT_INVALID, "sink missing");
+  return ATTNRT_OK;
+}
+
+int32_t run(attnrt_plan plan, const attnrt_tensors* t, void* stream, char* err, size_t cap) {
+  if (reinterpret_cast<const attnrt_problem*>(plan)->op == ATTNRT_OP_SPARSE_DECODE) {
+    // Both halves are checked first: an attend refusal must come before the indexer writes topk.
+    const ComposedPlan* c = reinterpret_cast<const ComposedPlan*>(plan);
+    for (attnrt_plan half : {c->index, c->attend})
+      if (int32_t s = check_tensors(*reinterpret_cast<const SparsePlan*>(half), t, err, cap);
+          s != ATTNRT_OK)
+        return s;
+    if (int32_t s = run(c->index, t, stream, err, cap); s != ATTNRT_OK) return s;
+    return run(c->attend, t, stream, err, cap);
+  }
+  const SparsePlan& pl = *reinterpret_cast<const SparsePlan*>(plan);
+  const attnrt_problem& p = pl.problem;
+  if (int32_t s = check_tensors(pl, t, err, cap); s != ATTNRT_OK) return s;
+  SCK(cudaSetDevice(p.device.index));
+  if (is_index_op(p.op)) {
     IndexArgs a{};
     a.q = t->index_q.data;
     a.kc = t->index_k_cache.data;
@@ -351,18 +378,6 @@ int32_t run(attnrt_plan plan, const attnrt_tensors* t, void* stream, char* err, 
     SCK(static_cast<cudaError_t>(launch_index(a, p.q_dtype, pl.rows_per_tile, stream)));
     return ATTNRT_OK;
   }
-  const attnrt_tensor* need[] = {&t->q, &t->out, &t->k_cache, &t->v_cache};
-  for (const attnrt_tensor* x : need)
-    if (!x->data) return say(err, cap, ATTNRT_INVALID, "q, out, k_cache and v_cache required");
-  if (t->q.rank != 3 || t->out.rank != 3 || t->k_cache.rank != 4 || t->v_cache.rank != 4)
-    return say(err, cap, ATTNRT_INVALID, "q/out rank 3, k_cache/v_cache rank 4 required");
-  for (const attnrt_tensor* x : need)
-    if (!rows_aligned(*x))
-      return say(err, cap, ATTNRT_UNAVAILABLE,
-                 "cuda sparse needs 16-byte aligned rows (strides multiple of 8, unit inner)");
-  if (p.write_lse && (!t->lse.data || t->lse.strides[1] != 1))
-    return say(err, cap, ATTNRT_INVALID, "lse must be present with unit innermost stride");
-  if (p.has_sink && !t->sink.data) return say(err, cap, ATTNRT_INVALID, "sink missing");
   AttendArgs a{};
   static_cast<attnrt_cuda_common::AttendTensors&>(a) = attnrt_cuda_common::attend_tensors(*t, p);
   a.hq = p.num_q_heads;
