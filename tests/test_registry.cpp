@@ -6,9 +6,12 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
 #include <cstring>
 #include <mutex>
+#include <new>
 #include <thread>
+#include <utility>
 
 #include "backends/cpu/cpu_backend.h"
 #include "backends/reference/reference_backend.h"
@@ -891,6 +894,31 @@ TEST(Workspace, LeasesAreExclusiveAndReused) {
   rt.copy_to_host(dst.data(), b, 1000);
   EXPECT_EQ(src, dst);
   EXPECT_THROW(rt.copy_to_device(b, src.data(), 1000, 1), InvalidArgument);
+}
+
+// A failed allocation leaves the workspace as it was before it: nothing counted as reserved for
+// it, and no empty buffer on the free list.
+TEST(Workspace, FailedAllocationReservesNothing) {
+  struct FailOnRequest : DeviceMemory {
+    bool fail_next = false;
+    void* alloc(size_t n) override {
+      if (std::exchange(fail_next, false)) throw std::bad_alloc();
+      return std::aligned_alloc(64, n);
+    }
+    void free(void* p) noexcept override { std::free(p); }
+  };
+  auto mem = std::make_shared<FailOnRequest>();
+  Workspace ws(Device::cpu(), mem);
+  ws.acquire(1000);  // 1024 bytes, back on the free list at once
+  EXPECT_EQ(ws.bytes_reserved(), 1024u);
+  mem->fail_next = true;
+  EXPECT_THROW(ws.acquire(1 << 20), std::bad_alloc);  // drops the 1024 first: too small
+  EXPECT_EQ(ws.bytes_reserved(), 0u);
+  Workspace::Lease a = ws.acquire(100), b = ws.acquire(100);
+  EXPECT_NE(a.data(), nullptr);
+  EXPECT_NE(b.data(), nullptr);
+  EXPECT_NE(a.data(), b.data());
+  EXPECT_EQ(ws.bytes_reserved(), 256u);
 }
 
 }  // namespace

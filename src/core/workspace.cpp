@@ -40,7 +40,6 @@ Workspace::Lease::~Lease() {
 Workspace::Lease Workspace::acquire(size_t bytes) {
   bytes = std::max<size_t>(64, (bytes + 63) / 64 * 64);
   Lease l;
-  l.owner_ = this;
   {
     std::lock_guard<std::mutex> lock(mu_);
     // Smallest free buffer that fits.
@@ -48,6 +47,7 @@ Workspace::Lease Workspace::acquire(size_t bytes) {
     for (auto it = free_.begin(); it != free_.end(); ++it)
       if (it->size >= bytes && (best == free_.end() || it->size < best->size)) best = it;
     if (best != free_.end()) {
+      l.owner_ = this;
       l.data_ = best->data;
       l.size_ = best->size;
       free_.erase(best);
@@ -63,7 +63,14 @@ Workspace::Lease Workspace::acquire(size_t bytes) {
     }
     reserved_ += bytes;
   }
-  l.data_ = memory_->alloc(bytes);
+  try {
+    l.data_ = memory_->alloc(bytes);
+  } catch (...) {
+    std::lock_guard<std::mutex> lock(mu_);
+    reserved_ -= bytes;  // and no lease owns anything: nothing goes back to the free list
+    throw;
+  }
+  l.owner_ = this;
   l.size_ = bytes;
   return l;
 }
