@@ -231,10 +231,33 @@ INSTANTIATE_TEST_SUITE_P(
         FaultCase{"run_fails", "canary failed: run failed: injected run failure"},
         FaultCase{"wrong_numbers", "canary mismatch (max err"},
         FaultCase{"missing_dep", "libattnrt_testdep.so: cannot open shared object file"},
-        FaultCase{"short_table", "required by ABI 1.2"}),
+        FaultCase{"short_table", "required by ABI 1.2"},
+        FaultCase{"null_get", "attnrt_plugin_get() returned NULL"},
+        FaultCase{"missing_version", "missing symbol attnrt_plugin_abi_version"},
+        FaultCase{"version_mismatch", "table abi_version 65537 differs from exported"},
+        FaultCase{"bad_name", "invalid plugin name 'Fault-Bad'"}),
     [](const auto& info) {
       return info.param.fault + (info.param.canary ? "" : "_nocanary");
     });
+
+// Two plugins of one name: the first found (in file-name order) serves, the other is refused
+// with one warning. The second computes wrong numbers, so serving in its stead would show.
+TEST(Registry, DuplicateNameLoadsTheFirstAndWarnsOnce) {
+  LogCapture logs;
+  Runtime rt(options_for("duplicate"));
+  DenseCase c(test::fresh_seed());
+  for (int i = 0; i < 2; ++i) {
+    c.run(rt);
+    EXPECT_LT(c.err(), 1e-5);
+  }
+  EXPECT_EQ(rt.plan(c.problem, c.layout)->backend(), "fault_duplicate");
+  auto names = rt.backend_names();
+  EXPECT_EQ(std::count(names.begin(), names.end(), "fault_duplicate"), 1);
+  auto w = logs.warnings();
+  ASSERT_EQ(w.size(), 1u) << ::testing::PrintToString(w);
+  EXPECT_THAT(w[0], HasSubstr("libattnrt_fault_duplicate_twin.so"));
+  EXPECT_THAT(w[0], HasSubstr("duplicate backend name 'fault_duplicate'"));
+}
 
 // A plugin that fails its canary is unavailable on that device for every op: one warning for a
 // whole forward pass (extend and decode), and both ops run on the cpu with correct results.

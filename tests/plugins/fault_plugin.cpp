@@ -12,6 +12,9 @@
 // aborts the process if called: a host that read it would not survive the test.
 // DEGRADES (ABI 1.2) counts every dense_decode run as degraded and fails to answer for
 // dense_extend. SHORT_TABLE claims ABI 1.2 with a 1.1-sized table, which the host must refuse.
+// NULL_GET's entry point returns NULL; MISSING_VERSION exports no version; VERSION_MISMATCH's
+// table claims ABI 1.1 while its export says 1.2; BAD_NAME's name is not [a-z0-9_]+. The host
+// must refuse each before calling anything else in it.
 // FAKE_GPU and ALLOC_FAILS serve a pretend accelerator, cuda:0, whose "device memory" is host
 // memory: FAKE_GPU allocates it with malloc; ALLOC_FAILS fails every allocation, so its canary
 // cannot even be set up.
@@ -319,7 +322,11 @@ int32_t run(attnrt_plan h, const attnrt_tensors* t, void*) {
 const char* last_error() { return g_error; }
 
 const attnrt_plugin_v1 kTable = {
+#if defined(FAULT_VERSION_MISMATCH)
+    /* .abi_version = */ (ATTNRT_PLUGIN_ABI_MAJOR << 16) | 1u,
+#else
     /* .abi_version = */ PLUGIN_ABI_VERSION,
+#endif
 #if defined(FAULT_ABI_MINOR0) || defined(FAULT_SHORT_TABLE)
     /* .struct_size = */ ATTNRT_PLUGIN_V1_1_SIZE,
 #else
@@ -367,8 +374,12 @@ const attnrt_plugin_v1 kTable = {
 }  // namespace
 
 extern "C" {
+#if !defined(FAULT_MISSING_VERSION)
 ATTNRT_PLUGIN_EXPORT extern const uint32_t attnrt_plugin_abi_version = PLUGIN_ABI_VERSION;
-#if !defined(FAULT_MISSING_ENTRY)
+#endif
+#if defined(FAULT_NULL_GET)
+ATTNRT_PLUGIN_EXPORT const attnrt_plugin_v1* attnrt_plugin_get(void) { return nullptr; }
+#elif !defined(FAULT_MISSING_ENTRY)
 ATTNRT_PLUGIN_EXPORT const attnrt_plugin_v1* attnrt_plugin_get(void) { return &kTable; }
 #endif
 }
