@@ -514,6 +514,39 @@ TEST(Registry, StrictModeRefusesFallback) {
   }
 }
 
+// ATTNRT_STRICT takes the usual on/off spellings in any case; anything else is refused when the
+// Runtime is made rather than read as either.
+TEST(Registry, StrictFromTheEnvironment) {
+  LogCapture logs;
+  RuntimeOptions o = options_for("plan_fails");
+  o.strict = std::nullopt;
+  struct Case {
+    const char* value;
+    bool strict;
+  };
+  for (const Case& k : {Case{"no", false}, Case{"Off", false}, Case{"0", false},
+                        Case{"", false}, Case{"YES", true}, Case{"on", true}, Case{"1", true}}) {
+    SCOPED_TRACE(k.value);
+    ::setenv("ATTNRT_STRICT", k.value, 1);
+    Runtime rt(o);
+    DenseCase c(test::fresh_seed());
+    if (k.strict) {
+      EXPECT_THROW(c.run(rt), BackendUnavailable);
+    } else {
+      c.run(rt);
+      EXPECT_LT(c.err(), 1e-5);
+    }
+  }
+  ::setenv("ATTNRT_STRICT", "sometimes", 1);
+  try {
+    Runtime rt(o);
+    ADD_FAILURE() << "ATTNRT_STRICT=sometimes accepted";
+  } catch (const InvalidArgument& e) {
+    EXPECT_THAT(std::string(e.what()), HasSubstr("ATTNRT_STRICT: 'sometimes'"));
+  }
+  ::unsetenv("ATTNRT_STRICT");
+}
+
 // Strict mode refuses every call that a fallback would serve, not only the first one: later
 // plans of the same op and runs of a plan whose backend failed throw too.
 TEST(Registry, StrictModeRefusesEveryFallback) {

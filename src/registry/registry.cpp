@@ -1,6 +1,7 @@
 #include "registry/registry.h"
 
 #include <algorithm>
+#include <cctype>
 #include <cstdlib>
 #include <sstream>
 #include <thread>
@@ -18,9 +19,15 @@ std::string env(const char* name) {
   return v ? v : "";
 }
 
+// An on/off variable: unset or empty is off; anything but the usual spellings is an error, since
+// guessing wrong would silently turn a switch like ATTNRT_STRICT the other way.
 bool env_flag(const char* name) {
   std::string v = env(name);
-  return !v.empty() && v != "0" && v != "false" && v != "off";
+  std::transform(v.begin(), v.end(), v.begin(), [](unsigned char c) { return std::tolower(c); });
+  if (v.empty() || v == "0" || v == "false" || v == "off" || v == "no") return false;
+  if (v == "1" || v == "true" || v == "on" || v == "yes") return true;
+  throw InvalidArgument(std::string(name) + ": '" + env(name) +
+                        "' is not on or off (expected 1, true, on, yes or 0, false, off, no)");
 }
 
 std::vector<std::string> split_list(const std::string& s) {
