@@ -3,6 +3,8 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -239,6 +241,28 @@ INSTANTIATE_TEST_SUITE_P(
     [](const auto& info) {
       return info.param.fault + (info.param.canary ? "" : "_nocanary");
     });
+
+// A pipe where a plugin would be is refused without opening it (dlopen would block on it), and
+// so is a path entry that does not exist; each is one warning naming the path and the reason.
+TEST(Registry, NonRegularPluginFilesAreRefusedUnopened) {
+  char tmpl[] = "/tmp/attnrt_fifo_XXXXXX";
+  ASSERT_NE(::mkdtemp(tmpl), nullptr);
+  const std::string dir = tmpl, fifo = dir + "/libattnrt_fifo.so", missing = dir + "/none.so";
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  LogCapture logs;
+  RuntimeOptions o = options_for("none");
+  o.plugin_path = dir + ":" + missing;
+  Runtime rt(o);
+  auto w = logs.warnings();
+  EXPECT_EQ(count_containing(w, fifo + ") not used: not a regular file"), 1) << ::testing::PrintToString(w);
+  EXPECT_EQ(count_containing(w, missing + ") not used: cannot read it: No such file"), 1)
+      << ::testing::PrintToString(w);
+  DenseCase c(test::fresh_seed());
+  c.run(rt);
+  EXPECT_LT(c.err(), 1e-5);
+  ::unlink(fifo.c_str());
+  ::rmdir(dir.c_str());
+}
 
 // Two plugins of one name: the first found (in file-name order) serves, the other is refused
 // with one warning. The second computes wrong numbers, so serving in its stead would show.

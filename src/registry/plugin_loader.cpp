@@ -3,6 +3,7 @@
 #include <sys/stat.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstdint>
 #include <cstring>
 #include <mutex>
@@ -306,6 +307,11 @@ void load_one(const std::string& path, std::set<std::string>& taken,
     log(LogLevel::info, "plugin " + path + " not used: " + rec.reason);
     out.records.push_back(rec);
   };
+  // dlopen of a pipe or a device blocks or reads without end: only regular files are opened.
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0)
+    return reject(std::string("cannot read it: ") + std::strerror(errno));
+  if (!S_ISREG(st.st_mode)) return reject("not a regular file");
   dlerror();
   void* h = ::dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
   if (!h) {
