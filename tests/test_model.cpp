@@ -2,6 +2,7 @@
 // their precedence, conflicts, token-count fallbacks and field errors.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 
 #include <cstdio>
 #include <filesystem>
@@ -201,6 +202,29 @@ TEST(Model, LoadsFromFileAndDirectory) {
     FAIL();
   } catch (const InvalidArgument& e) {
     EXPECT_THAT(e.what(), HasSubstr("bad.json"));
+  }
+  std::filesystem::remove_all(dir);
+}
+
+// A model path that is a pipe, a device or far too large for a config is refused by name, before
+// anything reads it (a pipe would block, /dev/zero would never end).
+TEST(Model, OnlyRegularFilesOfConfigSizeAreRead) {
+  const auto dir = std::filesystem::temp_directory_path() / ("attnrt_model_" + std::to_string(test::fresh_seed()));
+  std::filesystem::create_directories(dir);
+  const std::string fifo = (dir / "pipe.json").string(), big = (dir / "big.json").string();
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  std::ofstream(big).put('{');
+  std::filesystem::resize_file(big, (16u << 20) + 1);  // sparse: no 16 MiB written
+  const std::pair<std::string, std::string> cases[] = {
+      {fifo, "is not a regular file"}, {"/dev/zero", "is not a regular file"},
+      {big, "has 16777217 bytes (expected a config.json of at most 16 MiB)"}};
+  for (const auto& [path, why] : cases) {
+    try {
+      load_model_config(path);
+      ADD_FAILURE() << path << " accepted";
+    } catch (const InvalidArgument& e) {
+      EXPECT_THAT(e.what(), HasSubstr("'" + path + "' " + why));
+    }
   }
   std::filesystem::remove_all(dir);
 }

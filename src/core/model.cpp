@@ -267,6 +267,17 @@ ModelConfig parse_model_config(std::string_view json_text, std::string_view orig
 }
 
 ModelConfig load_model_config(const std::string& path) {
+  // A pipe or a device would block or never end: only a regular file of config size is read.
+  constexpr std::uintmax_t kMaxConfigBytes = 16u << 20;
+  std::error_code ec;
+  const auto status = std::filesystem::status(path, ec);
+  if (ec) throw InvalidArgument("model: cannot open '" + path + "': " + ec.message());
+  if (!std::filesystem::is_regular_file(status))
+    throw InvalidArgument("model: '" + path + "' is not a regular file (expected a config.json)");
+  const std::uintmax_t bytes = std::filesystem::file_size(path, ec);
+  if (!ec && bytes > kMaxConfigBytes)
+    throw InvalidArgument("model: '" + path + "' has " + std::to_string(bytes) +
+                          " bytes (expected a config.json of at most 16 MiB)");
   std::ifstream in(path, std::ios::binary);
   if (!in) throw InvalidArgument("model: cannot open '" + path + "'");
   std::stringstream ss;
