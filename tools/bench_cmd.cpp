@@ -21,6 +21,7 @@
 #include <cstdio>
 #include <cstring>
 #include <iostream>
+#include <limits>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <random>
@@ -479,7 +480,8 @@ void add_bench_command(CLI::App& app) {
   cmd->callback([o] {
     if (o->repeat < 1) throw InvalidArgument("bench: --repeat " + std::to_string(o->repeat) + " (expected >= 1)");
     if (o->warmup < 0) throw InvalidArgument("bench: --warmup " + std::to_string(o->warmup) + " (expected >= 0)");
-    if (o->threads < 0) throw InvalidArgument("bench: --threads " + std::to_string(o->threads) + " (expected >= 0)");
+    if (o->threads < 0 || o->threads > 4096)
+      throw InvalidArgument("bench: --threads " + std::to_string(o->threads) + " (expected 0..4096)");
     const Device dev = Device::parse(o->device);
     const bool host = dev.kind == DeviceKind::cpu;
     std::string backend = o->backend.empty() && host ? "cpu" : o->backend;
@@ -487,6 +489,13 @@ void add_bench_command(CLI::App& app) {
     ro.force_backend = backend;
     if (o->threads > 0) ro.num_threads = o->threads;
     Runtime rt(ro);
+    const std::vector<Device> devices = rt.devices();
+    if (std::find(devices.begin(), devices.end(), dev) == devices.end()) {
+      std::string have;
+      for (const Device& d : devices) have += (have.empty() ? "" : ", ") + d.str();
+      throw InvalidArgument("bench: --device " + dev.str() + ": no backend serves it (devices: " +
+                            have + "; `attnrt doctor` says why)");
+    }
     if (backend.empty()) backend = "auto";
     int threads = o->threads;
     if (threads == 0) {
@@ -497,12 +506,24 @@ void add_bench_command(CLI::App& app) {
     std::vector<CaseSpec> cases;
     if (!o->op.empty()) {
       const Op op = parse_op(o->op);
-      if (o->batch < 1 || o->kv_len < 1)
-        throw InvalidArgument("bench: --batch and --kv-len must be >= 1");
-      if (o->page_size < 1)
-        throw InvalidArgument("bench: --page-size " + std::to_string(o->page_size) + " (expected >= 1)");
+      // The limits of `attnrt run`: token, page and row counts stay in 32-bit ints.
+      auto within = [](const char* option, int64_t v, int64_t lo, int64_t hi, const char* what = "") {
+        if (v < lo || v > hi)
+          throw InvalidArgument(std::string("bench: ") + option + " " + std::to_string(v) + what +
+                                " (expected " + std::to_string(lo) + ".." + std::to_string(hi) + ")");
+      };
+      within("--batch", o->batch, 1, 1 << 16);
+      within("--kv-len", o->kv_len, 1, 1 << 24);
+      within("--page-size", o->page_size, 1, 1 << 16);
+      within("--q-len", o->q_len, 0, o->kv_len);
+      if (is_decode(op) && o->q_len > 1)
+        throw InvalidArgument("bench: --q-len " + std::to_string(o->q_len) + " with " +
+                              std::string(op_name(op)) + " (a decode op has one query token)");
+      const int64_t pages = (int64_t{o->kv_len} + o->page_size - 1) / o->page_size;
+      within("--batch x --kv-len", int64_t{o->batch} * o->kv_len, 1,
+             std::numeric_limits<int32_t>::max(), " tokens");
+      within("--batch x pages per request", o->batch * pages, 1, 1 << 24, " pages");
       const int ql = is_decode(op) ? 1 : (o->q_len > 0 ? o->q_len : o->kv_len);
-      if (ql > o->kv_len) throw InvalidArgument("bench: --q-len " + std::to_string(ql) + " > --kv-len");
       CaseSpec c{"custom", op, parse_dtype(o->dtype, "--dtype"), o->batch, ql, o->kv_len};
       c.hq = o->q_heads, c.hkv = o->kv_heads, c.d = o->head_dim, c.page = o->page_size;
       cases.push_back(c);

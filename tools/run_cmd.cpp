@@ -149,8 +149,11 @@ void run(const RunOptions& o) {
   at_most("--page-size", o.page_size, kMaxPageSize);
   const attnrt::ModelConfig m = attnrt::resolve_model(o.model);
   RunOptions opt = o;
-  if (opt.prompt_len == 0)
-    opt.prompt_len = m.use_sparse ? (m.sparse.topk + 4) * m.sparse.block_size : 512;
+  if (opt.prompt_len == 0) {
+    const int64_t dflt = m.use_sparse ? (int64_t{m.sparse.topk} + 4) * m.sparse.block_size : 512;
+    at_most("--prompt-len", dflt, kMaxTokens, " by default ((the model's top-k + 4) x its block size)");
+    opt.prompt_len = static_cast<int>(dflt);
+  }
   const int64_t per_request = int64_t{opt.prompt_len} + opt.decode_steps;
   at_most("--prompt-len + --decode-steps", per_request, kMaxTokens, " tokens per request");
   at_most("--batch x (--prompt-len + --decode-steps)", o.batch * per_request,
@@ -500,12 +503,13 @@ void add_run_command(CLI::App& app) {
   sub->add_option("--device", o->device, "cpu or cuda:N; a device no backend serves falls back to cpu with one line saying why")->capture_default_str();
   sub->add_option("--seed", o->seed, "Random seed")->capture_default_str();
   sub->add_option("--layers", o->layers, "Run only the first N layers (0: all)")->capture_default_str();
-  sub->add_flag("--check", o->check, "Compare every layer with the reference backend");
+  auto* check = sub->add_flag("--check", o->check, "Compare every layer with the reference backend");
   sub->add_option("--check-rows", o->check_rows,
                   "With --check: compare only the last N query tokens of each request per layer "
                   "(0: all). The reference then costs N x context per layer, which makes long "
                   "prompts checkable")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->needs(check);
   sub->add_flag("--json", o->json, "Print JSON");
   sub->callback([o] { run(*o); });
 }
