@@ -477,6 +477,7 @@ void add_bench_command(CLI::App& app) {
                   "automatic choice on an accelerator)");
   cmd->add_option("--device", o->device, "cpu or cuda:N")->capture_default_str();
   cmd->add_flag("--json", o->json, "machine-readable output");
+  attnrt_cli::read_integers_as_decimal(*cmd);
   cmd->callback([o] {
     if (o->repeat < 1) throw InvalidArgument("bench: --repeat " + std::to_string(o->repeat) + " (expected >= 1)");
     if (o->warmup < 0) throw InvalidArgument("bench: --warmup " + std::to_string(o->warmup) + " (expected >= 0)");

@@ -1,7 +1,36 @@
 // Shared pieces of the attnrt command-line program (cli_common.h).
 #include "cli_common.h"
 
+#include <CLI/CLI.hpp>
+
+#include <charconv>
+
 namespace attnrt_cli {
+
+namespace {
+// The value as a plain decimal T, rewritten without leading zeros; else why not.
+template <typename T>
+std::string as_decimal(std::string& s) {
+  T v{};
+  const char* end = s.data() + s.size();
+  const auto [p, ec] = std::from_chars(s.data(), end, v);
+  if (s.empty()) return "empty value (expected a decimal integer)";
+  if (ec == std::errc::result_out_of_range) return "'" + s + "' is out of range";
+  if (ec != std::errc() || p != end)
+    return "'" + s + "' is not a decimal integer" +
+           (std::is_unsigned_v<T> && s[0] == '-' ? " >= 0" : "");
+  s = std::to_string(v);
+  return {};
+}
+}  // namespace
+
+void read_integers_as_decimal(CLI::App& cmd) {
+  for (CLI::Option* opt : cmd.get_options()) {
+    const std::string type = opt->get_type_name();
+    if (type == "INT") opt->transform(CLI::Validator(as_decimal<int64_t>, ""));
+    if (type == "UINT") opt->transform(CLI::Validator(as_decimal<uint64_t>, ""));
+  }
+}
 
 void fill_normal(void* data, attnrt::DType t, int64_t n, uint64_t seed) {
   uint64_t x = seed * 0x9E3779B97F4A7C15ull | 1;

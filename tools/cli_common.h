@@ -24,6 +24,10 @@ class Failure : public std::runtime_error {
 // zeros (zeros hide unwritten outputs), the same values for the same seed.
 void fill_normal(void* data, attnrt::DType t, int64_t n, uint64_t seed);
 
+// Makes every integer option of `cmd` read plain decimal only: CLI11 alone takes "0512" as
+// octal, "0x10" as hex and an empty value as 0. Call once its options are added.
+void read_integers_as_decimal(CLI::App& cmd);
+
 void add_run_command(CLI::App& app);
 void add_doctor_command(CLI::App& app);
 

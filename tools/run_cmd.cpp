@@ -511,6 +511,7 @@ void add_run_command(CLI::App& app) {
       ->capture_default_str()
       ->needs(check);
   sub->add_flag("--json", o->json, "Print JSON");
+  read_integers_as_decimal(*sub);
   sub->callback([o] { run(*o); });
 }
 
