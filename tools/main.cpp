@@ -5,9 +5,13 @@
 // --check mismatch, internal error). Every exception is caught here so the program never aborts.
 #include <CLI/CLI.hpp>
 
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <exception>
+#include <iostream>
 #include <new>
+#include <string>
 
 #include "attnrt/errors.h"
 #include "cli_common.h"
@@ -19,6 +23,7 @@ int main(int argc, char** argv) {
   CLI::App app{"attnrt: attention runtime for paged KV caches"};
   app.require_subcommand(1);
   app.set_help_all_flag("--help-all", "Show help for every subcommand");
+  app.set_version_flag("--version", "attnrt " ATTNRT_VERSION_STRING);
   try {
     attnrt_cli::add_run_command(app);
     attnrt_cli::add_doctor_command(app);
@@ -31,7 +36,15 @@ int main(int argc, char** argv) {
   } catch (const CLI::CallForVersion& e) {
     return app.exit(e);
   } catch (const CLI::ParseError& e) {
-    std::fprintf(stderr, "attnrt: error: %s\n", e.what());
+    // CLI11 reads an unknown first word as a missing subcommand; say which word it was.
+    std::string names;
+    for (const CLI::App* sub : app.get_subcommands([](CLI::App*) { return true; }))
+      names += (names.empty() ? "" : ", ") + sub->get_name();
+    if (argc > 1 && argv[1][0] != '-' && app.get_subcommands().empty())
+      std::fprintf(stderr, "attnrt: error: unknown subcommand '%s' (expected one of: %s)\n",
+                   argv[1], names.c_str());
+    else
+      std::fprintf(stderr, "attnrt: error: %s\n", e.what());
     return 2;
   } catch (const attnrt::InvalidArgument& e) {
     std::fprintf(stderr, "attnrt: error: %s\n", e.what());
@@ -50,6 +63,12 @@ int main(int argc, char** argv) {
     return 1;
   } catch (...) {
     std::fprintf(stderr, "attnrt: error: unknown failure\n");
+    return 1;
+  }
+  // Output that never arrived (a full disk, a closed pipe) is a failure, not a success.
+  std::cout.flush();
+  if (!std::cout || std::fflush(stdout) != 0 || std::ferror(stdout)) {
+    std::fprintf(stderr, "attnrt: error: writing the output failed: %s\n", std::strerror(errno));
     return 1;
   }
   return 0;
