@@ -478,18 +478,32 @@ void add_bench_command(CLI::App& app) {
   cmd->add_option("--device", o->device, "cpu or cuda:N")->capture_default_str();
   cmd->add_flag("--json", o->json, "machine-readable output");
   attnrt_cli::read_integers_as_decimal(*cmd);
-  cmd->callback([o] {
+  cmd->callback([o, cmd] {
     if (o->repeat < 1) throw InvalidArgument("bench: --repeat " + std::to_string(o->repeat) + " (expected >= 1)");
     if (o->warmup < 0) throw InvalidArgument("bench: --warmup " + std::to_string(o->warmup) + " (expected >= 0)");
     if (o->threads < 0 || o->threads > 4096)
       throw InvalidArgument("bench: --threads " + std::to_string(o->threads) + " (expected 0..4096)");
     const Device dev = Device::parse(o->device);
     const bool host = dev.kind == DeviceKind::cpu;
-    std::string backend = o->backend.empty() && host ? "cpu" : o->backend;
+    // --backend, else ATTNRT_BACKEND, else the cpu backend on the host (its kernels are what a
+    // host bench measures) and the automatic choice on an accelerator.
+    const char* env_backend = std::getenv("ATTNRT_BACKEND");
+    std::string backend = !o->backend.empty()              ? o->backend
+                          : env_backend && *env_backend ? std::string(env_backend)
+                          : host                        ? "cpu"
+                                                        : "";
     RuntimeOptions ro;
     ro.force_backend = backend;
     if (o->threads > 0) ro.num_threads = o->threads;
-    Runtime rt(ro);
+    std::unique_ptr<Runtime> runtime;
+    try {
+      runtime = std::make_unique<Runtime>(ro);
+    } catch (const InvalidArgument& e) {
+      const std::string m = e.what(), env_name = "ATTNRT_BACKEND";
+      if (o->backend.empty() || m.rfind(env_name, 0) != 0) throw;
+      throw InvalidArgument("bench: --backend" + m.substr(env_name.size()));
+    }
+    Runtime& rt = *runtime;
     const std::vector<Device> devices = rt.devices();
     if (std::find(devices.begin(), devices.end(), dev) == devices.end()) {
       std::string have;
@@ -505,8 +519,28 @@ void add_bench_command(CLI::App& app) {
                                           : int(std::max(1u, std::thread::hardware_concurrency()));
     }
     std::vector<CaseSpec> cases;
+    const char* custom_only[] = {"--batch", "--q-len", "--kv-len", "--dtype", "--q-heads",
+                                 "--kv-heads", "--head-dim", "--page-size"};
+    if (!o->op.empty() && !o->suite.empty())
+      throw InvalidArgument("bench: --op and --suite both given (expected one: a custom case or a suite)");
+    if (o->op.empty())
+      for (const char* flag : custom_only)
+        if (cmd->count(flag))
+          throw InvalidArgument(std::string("bench: ") + flag +
+                                " shapes a custom case and needs --op (a suite has its own shapes)");
     if (!o->op.empty()) {
       const Op op = parse_op(o->op);
+      // The indexer's shape is fixed (1 index head, index dim 128): attention-shape flags
+      // would be reported without having shaped anything.
+      if (!reads_attention_inputs(op))
+        for (const char* flag : {"--q-heads", "--kv-heads", "--head-dim"})
+          if (cmd->count(flag))
+            throw InvalidArgument(std::string("bench: ") + flag + " does not apply to " +
+                                  op_name(op) + " (1 index head of dim 128)");
+      if (!is_dense(op) && o->kv_heads != 1)
+        throw InvalidArgument("bench: --kv-heads " + std::to_string(o->kv_heads) + " with " +
+                              op_name(op) + " (expected 1: the sparse case has one index head, "
+                              "which must be shared by whole KV heads)");
       // The limits of `attnrt run`: token, page and row counts stay in 32-bit ints.
       auto within = [](const char* option, int64_t v, int64_t lo, int64_t hi, const char* what = "") {
         if (v < lo || v > hi)
@@ -530,6 +564,9 @@ void add_bench_command(CLI::App& app) {
       cases.push_back(c);
     } else {
       const std::string suite = o->suite.empty() ? (host ? "cpu-m3" : "cuda-dense") : o->suite;
+      if (host && suite.rfind("cuda-", 0) == 0)
+        throw InvalidArgument("bench: --suite " + suite + " times GPU shapes (up to 64 x 128k "
+                              "tokens) and needs --device cuda:N");
       if (suite == "cpu-m3")
         cases = cpu_m3_suite();
       else if (suite == "cuda-dense")
@@ -558,7 +595,11 @@ void add_bench_command(CLI::App& app) {
                           {"sgemm_note", blas_note},
                           {"stream_read_gbps", ceil.stream / 1e9},
                           {"cases", nlohmann::json::array()}};
-    for (auto& c : cases) res["cases"].push_back(run_case(rt, dev, c, *o, ceil));
+    for (size_t i = 0; i < cases.size(); ++i) {
+      if (cases.size() > 1)  // a suite takes minutes: progress on stderr, results on stdout
+        std::fprintf(stderr, "bench: case %zu of %zu: %s\n", i + 1, cases.size(), cases[i].name.c_str());
+      res["cases"].push_back(run_case(rt, dev, cases[i], *o, ceil));
+    }
     // Sparse attend extend vs (selected fraction x dense extend) at the same shape (issue 4).
     nlohmann::json derived = nlohmann::json::array();
     for (auto& sp : res["cases"])
