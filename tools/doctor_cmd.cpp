@@ -12,6 +12,7 @@
 #include <memory>
 #include <string>
 
+#include "attnrt/errors.h"
 #include "attnrt/kv_cache.h"
 #include "attnrt/model.h"
 #include "attnrt/runtime.h"
@@ -24,7 +25,7 @@ using nlohmann::json;
 
 const char* const kEnvVars[] = {"ATTNRT_PLUGIN_PATH", "ATTNRT_DISABLE",      "ATTNRT_BACKEND",
                                 "ATTNRT_STRICT",      "ATTNRT_FORCE_REPLAN", "ATTNRT_NUM_THREADS",
-                                "ATTNRT_CPU_ISA",     "ATTNRT_LOG"};
+                                "ATTNRT_CPU_ISA",     "ATTNRT_LOG",          "ATTNRT_CUDA_WGMMA"};
 
 // A representative problem of `op` for `m` on `dev`.
 attnrt::Problem make_problem(attnrt::Op op, const attnrt::ModelConfig& m, attnrt::Device dev,
@@ -61,9 +62,26 @@ attnrt::BatchLayout probe_layout(attnrt::Op op, int page_size) {
   return attnrt::BatchLayout::make(page_size, {q}, {kv}, {pages});
 }
 
+// The ATTNRT_* variables as set, one a line (stderr when the runtime refused them).
+void print_environment(std::FILE* f) {
+  for (const char* v : kEnvVars) {
+    const char* val = std::getenv(v);
+    std::fprintf(f, "  %s=%s\n", v, val ? val : "(unset)");
+  }
+}
+
 void doctor(const std::string& model_name, bool as_json) {
   const attnrt::ModelConfig m = attnrt::resolve_model(model_name);
-  attnrt::Runtime rt;
+  std::unique_ptr<attnrt::Runtime> runtime;
+  try {
+    runtime = std::make_unique<attnrt::Runtime>();
+  } catch (const attnrt::InvalidArgument&) {
+    // A variable the runtime refuses: show the whole environment beside the error.
+    std::fprintf(stderr, "attnrt doctor: the runtime refused this environment:\n");
+    print_environment(stderr);
+    throw;
+  }
+  attnrt::Runtime& rt = *runtime;
   json j;
   j["model"] = m.name;
   for (const auto& d : rt.devices()) {
@@ -148,11 +166,8 @@ void doctor(const std::string& model_name, bool as_json) {
       }
     }
   }
-  std::cout << "\nenvironment:\n";
-  for (const char* v : kEnvVars) {
-    const char* val = std::getenv(v);
-    std::cout << "  " << v << "=" << (val ? val : "(unset)") << "\n";
-  }
+  std::cout << "\nenvironment:\n" << std::flush;
+  print_environment(stdout);
   for (const auto& w : r.warnings) std::cout << "warning: " << w << "\n";
 }
 

@@ -7,6 +7,7 @@
 #include <thread>
 
 #include "attnrt/errors.h"
+#include "attnrt/log.h"
 #include "backends/cpu/cpu_backend.h"
 #include "backends/reference/reference_backend.h"
 #include "registry/plugin_backend.h"
@@ -65,6 +66,7 @@ CpuIsa parse_isa(const std::string& s) {
 }  // namespace
 
 Registry::Registry(const RuntimeOptions& o) {
+  log_level();  // reads ATTNRT_LOG now, so that a bad value is reported when the runtime starts
   options_.strict = o.strict.value_or(env_flag("ATTNRT_STRICT"));
   options_.force_replan = o.force_replan.value_or(env_flag("ATTNRT_FORCE_REPLAN"));
   options_.canary = o.canary;
