@@ -54,9 +54,12 @@ int main(int argc, char** argv) {
                  e.backend().c_str(), e.op().c_str(), e.device().c_str(), e.reason().c_str());
     return 1;
   } catch (const std::bad_alloc&) {
-    std::fprintf(stderr,
-                 "attnrt: error: out of memory: the caches and activations of this run do not fit; "
-                 "reduce --batch, --prompt-len or --layers\n");
+    if (app.got_subcommand("bench"))
+      std::fprintf(stderr, "attnrt: error: out of memory: the buffers of this case do not fit; "
+                           "reduce --batch or --kv-len\n");
+    else
+      std::fprintf(stderr, "attnrt: error: out of memory: the caches and activations of this run "
+                           "do not fit; reduce --batch, --prompt-len or --layers\n");
     return 1;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "attnrt: error: %s\n", e.what());

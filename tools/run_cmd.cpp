@@ -29,6 +29,7 @@
 #include "attnrt/model.h"
 #include "attnrt/runtime.h"
 #include "backends/reference/reference_backend.h"
+#include "core/validate.h"
 #include "cli_common.h"
 
 namespace attnrt_cli {
@@ -194,6 +195,38 @@ void run_resolved(const RunOptions& o, const attnrt::ModelConfig& m) {
   const int pages_per_req = (total_len + ps - 1) / ps;
   const int num_pages = o.batch * pages_per_req;
 
+  auto base = [&](Op op) {
+    attnrt::Problem p;
+    p.op = op;
+    p.device = dev;
+    p.q_dtype = p.kv_dtype = dt;
+    p.page_size = ps;
+    p.num_q_heads = Hq;
+    p.num_kv_heads = Hkv;
+    p.head_dim = D;
+    if (!attnrt::is_dense(op)) {
+      p.num_index_heads = Hidx;
+      p.index_dim = Didx;
+      p.block_size = m.sparse.block_size;
+      p.topk = K;
+      p.score_type = m.sparse.score_type;
+      if (attnrt::reads_index_inputs(op)) {
+        p.init_blocks = m.sparse.init_blocks;
+        p.local_blocks = m.sparse.local_blocks;
+      }
+    }
+    return p;
+  };
+  // The model's shapes, checked before gigabytes of caches are filled for them.
+  for (Op op : {Op::dense_extend, Op::sparse_index_extend, Op::sparse_attend_extend}) {
+    if (!m.use_sparse && !attnrt::is_dense(op)) continue;
+    try {
+      attnrt::validate_problem(base(op));
+    } catch (const attnrt::InvalidArgument& e) {
+      throw attnrt::InvalidArgument("model '" + o.model + "': " + e.what());
+    }
+  }
+
   std::mt19937_64 gen(o.seed);
   // Caches: one pool per layer, [pages, ps, heads, dim].
   std::vector<Buf> kc, vc, ikc;
@@ -225,28 +258,6 @@ void run_resolved(const RunOptions& o, const attnrt::ModelConfig& m) {
                 static_cast<unsigned long long>(o.seed));
   }
 
-  auto base = [&](Op op) {
-    attnrt::Problem p;
-    p.op = op;
-    p.device = dev;
-    p.q_dtype = p.kv_dtype = dt;
-    p.page_size = ps;
-    p.num_q_heads = Hq;
-    p.num_kv_heads = Hkv;
-    p.head_dim = D;
-    if (!attnrt::is_dense(op)) {
-      p.num_index_heads = Hidx;
-      p.index_dim = Didx;
-      p.block_size = m.sparse.block_size;
-      p.topk = K;
-      p.score_type = m.sparse.score_type;
-      if (attnrt::reads_index_inputs(op)) {
-        p.init_blocks = m.sparse.init_blocks;
-        p.local_blocks = m.sparse.local_blocks;
-      }
-    }
-    return p;
-  };
 
   std::map<std::string, OpStats> stats;
   double phase_s[2] = {0, 0};
