@@ -166,6 +166,8 @@ void run_resolved(const RunOptions& o, const attnrt::ModelConfig& m) {
   const DType dt = attnrt::parse_dtype(o.dtype, "--dtype");
   if (dt == DType::i32) throw attnrt::InvalidArgument("--dtype: got i32, expected f32, f16 or bf16");
   attnrt::Device dev = attnrt::Device::parse(o.device);
+  const attnrt::Device requested = dev;
+  std::string device_note;  // why the run is not on the requested device
   const attnrt::Device host = attnrt::Device::cpu();
   attnrt::Runtime rt;
   const std::vector<attnrt::Device> devices = rt.devices();
@@ -179,8 +181,8 @@ void run_resolved(const RunOptions& o, const attnrt::ModelConfig& m) {
       why = "devices here:";
       for (const auto& d : devices) why += " " + d.str();
     }
-    std::fprintf(stderr, "attnrt: %s is not available (%s); running on cpu instead\n", dev.str().c_str(),
-                 why.c_str());
+    device_note = dev.str() + " is not available (" + why + "); running on cpu instead";
+    std::fprintf(stderr, "attnrt: %s\n", device_note.c_str());
     dev = host;
   }
 
@@ -446,6 +448,8 @@ void run_resolved(const RunOptions& o, const attnrt::ModelConfig& m) {
     j["page_size"] = ps;
     j["dtype"] = attnrt::dtype_name(dt);
     j["device"] = dev.str();
+    j["requested_device"] = requested.str();
+    if (!device_note.empty()) j["device_note"] = device_note;
     j["seed"] = o.seed;
     for (const auto& [name, st] : stats) {
       j["ops"][name] = {{"backend", st.backend}, {"seconds", st.seconds}, {"calls", st.calls}};
@@ -466,7 +470,10 @@ void run_resolved(const RunOptions& o, const attnrt::ModelConfig& m) {
     j["fallbacks"] = fallbacks;
     j["degraded_runs"] = degraded;
     j["warnings"] = rep.warnings;
-    if (o.check) j["check_ok"] = !any_fail;
+    if (o.check) {
+      j["check_ok"] = !any_fail;
+      j["check_rows"] = o.check_rows;  // 0: every query token
+    }
     std::cout << j.dump(2) << "\n";
   } else {
     for (const auto& [name, st] : stats) {
