@@ -32,6 +32,30 @@ void read_integers_as_decimal(CLI::App& cmd) {
   }
 }
 
+attnrt::Problem model_problem(attnrt::Op op, const attnrt::ModelConfig& m, const attnrt::Device& dev,
+                              attnrt::DType dt, int page_size) {
+  attnrt::Problem p;
+  p.op = op;
+  p.device = dev;
+  p.q_dtype = p.kv_dtype = dt;
+  p.page_size = page_size;
+  p.num_q_heads = m.num_q_heads;
+  p.num_kv_heads = m.num_kv_heads;
+  p.head_dim = m.head_dim;
+  if (!attnrt::is_dense(op)) {
+    p.num_index_heads = m.sparse.num_index_heads;
+    p.index_dim = m.sparse.index_dim;
+    p.block_size = m.sparse.block_size;
+    p.topk = m.sparse.topk;
+    p.score_type = m.sparse.score_type;
+    if (attnrt::reads_index_inputs(op)) {
+      p.init_blocks = m.sparse.init_blocks;
+      p.local_blocks = m.sparse.local_blocks;
+    }
+  }
+  return p;
+}
+
 void fill_normal(void* data, attnrt::DType t, int64_t n, uint64_t seed) {
   uint64_t x = seed * 0x9E3779B97F4A7C15ull | 1;
   for (int64_t i = 0; i < n; ++i) {

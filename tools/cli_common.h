@@ -5,6 +5,8 @@
 #include <stdexcept>
 #include <string>
 
+#include "attnrt/model.h"
+#include "attnrt/problem.h"
 #include "attnrt/types.h"
 
 namespace CLI {
@@ -27,6 +29,11 @@ void fill_normal(void* data, attnrt::DType t, int64_t n, uint64_t seed);
 // Makes every integer option of `cmd` read plain decimal only: CLI11 alone takes "0512" as
 // octal, "0x10" as hex and an empty value as 0. Call once its options are added.
 void read_integers_as_decimal(CLI::App& cmd);
+
+// The problem of `op` in model `m` on `dev`: the model's heads and dims, and on sparse ops its
+// sparse parameters (the forced blocks where the op reads the index inputs).
+attnrt::Problem model_problem(attnrt::Op op, const attnrt::ModelConfig& m, const attnrt::Device& dev,
+                              attnrt::DType dt, int page_size);
 
 void add_run_command(CLI::App& app);
 void add_doctor_command(CLI::App& app);

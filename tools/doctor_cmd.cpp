@@ -27,32 +27,6 @@ const char* const kEnvVars[] = {"ATTNRT_PLUGIN_PATH", "ATTNRT_DISABLE",      "AT
                                 "ATTNRT_STRICT",      "ATTNRT_FORCE_REPLAN", "ATTNRT_NUM_THREADS",
                                 "ATTNRT_CPU_ISA",     "ATTNRT_LOG",          "ATTNRT_CUDA_WGMMA"};
 
-// A representative problem of `op` for `m` on `dev`.
-attnrt::Problem make_problem(attnrt::Op op, const attnrt::ModelConfig& m, attnrt::Device dev,
-                             int page_size) {
-  attnrt::Problem p;
-  p.op = op;
-  p.device = dev;
-  p.q_dtype = p.kv_dtype = attnrt::DType::bf16;
-  p.page_size = page_size;
-  p.num_q_heads = m.num_q_heads;
-  p.num_kv_heads = m.num_kv_heads;
-  p.head_dim = m.head_dim;
-  if (!attnrt::is_dense(op)) {
-    const int hidx = m.sparse.num_index_heads > 0 ? m.sparse.num_index_heads : m.num_kv_heads;
-    p.num_index_heads = hidx;
-    p.index_dim = m.sparse.index_dim > 0 ? m.sparse.index_dim : 128;
-    p.block_size = m.sparse.block_size > 0 ? m.sparse.block_size : 64;
-    p.topk = m.sparse.topk > 0 ? m.sparse.topk : 16;
-    p.score_type = m.sparse.score_type;
-    if (attnrt::reads_index_inputs(op)) {
-      p.init_blocks = m.sparse.init_blocks;
-      p.local_blocks = m.sparse.local_blocks;
-    }
-  }
-  return p;
-}
-
 // A small layout (one request, prompt of a few pages) for probing the choice.
 attnrt::BatchLayout probe_layout(attnrt::Op op, int page_size) {
   const int kv = 4 * page_size;
@@ -102,7 +76,7 @@ void doctor(const std::string& model_name, bool as_json) {
     for (int o = 0; o < attnrt::kNumOps; ++o) {
       const auto op = static_cast<attnrt::Op>(o);
       if (!m.use_sparse && !attnrt::is_dense(op)) continue;
-      const attnrt::Problem p = make_problem(op, m, d, ps);
+      const attnrt::Problem p = model_problem(op, m, d, attnrt::DType::bf16, ps);
       json e;
       e["op"] = attnrt::op_name(op);
       e["device"] = d.str();
@@ -166,7 +140,7 @@ void doctor(const std::string& model_name, bool as_json) {
       }
     }
   }
-  std::cout << "\nenvironment:\n" << std::flush;
+  std::cout << "\nenvironment:\n";
   print_environment(stdout);
   for (const auto& w : r.warnings) std::cout << "warning: " << w << "\n";
 }

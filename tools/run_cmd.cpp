@@ -197,28 +197,7 @@ void run_resolved(const RunOptions& o, const attnrt::ModelConfig& m) {
   const int pages_per_req = (total_len + ps - 1) / ps;
   const int num_pages = o.batch * pages_per_req;
 
-  auto base = [&](Op op) {
-    attnrt::Problem p;
-    p.op = op;
-    p.device = dev;
-    p.q_dtype = p.kv_dtype = dt;
-    p.page_size = ps;
-    p.num_q_heads = Hq;
-    p.num_kv_heads = Hkv;
-    p.head_dim = D;
-    if (!attnrt::is_dense(op)) {
-      p.num_index_heads = Hidx;
-      p.index_dim = Didx;
-      p.block_size = m.sparse.block_size;
-      p.topk = K;
-      p.score_type = m.sparse.score_type;
-      if (attnrt::reads_index_inputs(op)) {
-        p.init_blocks = m.sparse.init_blocks;
-        p.local_blocks = m.sparse.local_blocks;
-      }
-    }
-    return p;
-  };
+  auto base = [&](Op op) { return model_problem(op, m, dev, dt, ps); };
   // The model's shapes, checked before gigabytes of caches are filled for them.
   for (Op op : {Op::dense_extend, Op::sparse_index_extend, Op::sparse_attend_extend}) {
     if (!m.use_sparse && !attnrt::is_dense(op)) continue;
@@ -259,7 +238,6 @@ void run_resolved(const RunOptions& o, const attnrt::ModelConfig& m) {
                 o.batch, o.prompt_len, o.decode_steps, ps, attnrt::dtype_name(dt), dev.str().c_str(),
                 static_cast<unsigned long long>(o.seed));
   }
-
 
   std::map<std::string, OpStats> stats;
   double phase_s[2] = {0, 0};
