@@ -290,8 +290,8 @@ struct Runtime::Impl {
     std::lock_guard lock(cache_mu);
     auto range = cache.equal_range(key);
     for (auto it = range.first; it != range.second; ++it) {
+      // No plan lock: update() takes a plan out of the cache before it changes its layout.
       const Plan::State& st = *it->second.plan->state_;
-      std::shared_lock plan_lock(st.mu);
       if (same_problem(st.problem, p) && st.layout == l) {
         lru.splice(lru.begin(), lru, it->second.lru);
         return it->second.plan;
