@@ -4,12 +4,12 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 #include <sys/stat.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <mutex>
 #include <new>
 #include <thread>
@@ -245,9 +245,9 @@ INSTANTIATE_TEST_SUITE_P(
 // A pipe where a plugin would be is refused without opening it (dlopen would block on it), and
 // so is a path entry that does not exist; each is one warning naming the path and the reason.
 TEST(Registry, NonRegularPluginFilesAreRefusedUnopened) {
-  char tmpl[] = "/tmp/attnrt_fifo_XXXXXX";
-  ASSERT_NE(::mkdtemp(tmpl), nullptr);
-  const std::string dir = tmpl, fifo = dir + "/libattnrt_fifo.so", missing = dir + "/none.so";
+  const auto tmp = std::filesystem::temp_directory_path() / ("attnrt_fifo_" + std::to_string(test::fresh_seed()));
+  std::filesystem::create_directories(tmp);
+  const std::string dir = tmp.string(), fifo = dir + "/libattnrt_fifo.so", missing = dir + "/none.so";
   ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
   LogCapture logs;
   RuntimeOptions o = options_for("none");
@@ -260,8 +260,7 @@ TEST(Registry, NonRegularPluginFilesAreRefusedUnopened) {
   DenseCase c(test::fresh_seed());
   c.run(rt);
   EXPECT_LT(c.err(), 1e-5);
-  ::unlink(fifo.c_str());
-  ::rmdir(dir.c_str());
+  std::filesystem::remove_all(tmp);
 }
 
 // Two plugins of one name: the first found (in file-name order) serves, the other is refused
